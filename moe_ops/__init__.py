@@ -1,0 +1,24 @@
+"""moe_ops: fused Mixture-of-Experts operators for PyTorch (torch.ops.moe.*), Triton on CUDA.
+
+`import moe_ops` registers torch.ops.moe.route and torch.ops.moe.dispatch, and the transformers
+experts implementation "moe_ops" when transformers is installed."""
+from moe_ops.ops.dispatch import dispatch
+from moe_ops.ops.routing import route
+
+__version__ = "0.1.0"
+__all__ = ["dispatch", "route", "__version__"]
+
+
+def _register_integrations():
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return
+    try:
+        from moe_ops.integrations.huggingface import register_experts_interface
+    except ImportError:
+        return
+    register_experts_interface()
+
+
+_register_integrations()

@@ -1,0 +1,116 @@
+"""Expert GEMMs over the aligned rows.
+
+gate_up_kernel: act[row] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T), gathering token rows
+  through sorted_slots (no permuted copy of hidden); SwiGLU in float32 registers.
+down_kernel: y[slot] = topk_weight[slot] * (act[row] @ w2[e].T), written per slot (float32).
+combine_kernel: out[t] = sum over k in order 0..K-1 of y[t*K + k] for valid ids: deterministic,
+  no atomics.
+Row blocks at or past the device-side num_rows exit at once (the grid is sized from shapes)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gate_up_kernel(
+    x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+    n_slots, H, I, top_k,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_am,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    num_rows = tl.load(num_rows_ptr)
+    if pid_m * BLOCK_M >= num_rows:
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_ptr + rows)
+    row_valid = slots < n_slots
+    tok = (slots // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    wg_ptrs = (w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+               + offs_k[:, None] * stride_wk)
+    wu_ptrs = wg_ptrs + I * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = offs_k < H - k0
+        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+        bg = tl.load(wg_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        bu = tl.load(wu_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_xh
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    rows64 = rows.to(tl.int64)
+    tl.store(act_ptr + rows64[:, None] * stride_am + offs_n[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def down_kernel(
+    act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+    n_slots, H, I, top_k,
+    stride_am, stride_we, stride_wn, stride_wk, stride_tw_t, stride_tw_k, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    num_rows = tl.load(num_rows_ptr)
+    if pid_m * BLOCK_M >= num_rows:
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_ptr + rows)
+    row_valid = slots < n_slots
+    rows64 = rows.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows64[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = (w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+              + offs_k[:, None] * stride_wk)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_mask = offs_k < I - k0
+        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wk
+    slots64 = slots.to(tl.int64)
+    tw = tl.load(weights_ptr + (slots64 // top_k) * stride_tw_t + (slots64 % top_k) * stride_tw_k,
+                 mask=row_valid, other=0.0).to(tl.float32)
+    acc = acc * tw[:, None]
+    tl.store(y_ptr + slots64[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def combine_kernel(
+    y_ptr, ids_ptr, out_ptr, T, H, E, top_k,
+    stride_it, stride_ik, stride_ym, stride_ot, stride_oh,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    toks = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_mask = toks < T
+    h_mask = offs_h < H
+    acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
+    for k in range(top_k):
+        ids = tl.load(ids_ptr + toks * stride_it + k * stride_ik, mask=t_mask, other=-1)
+        valid = t_mask & (ids >= 0) & (ids < E)
+        y = tl.load(y_ptr + (toks * top_k + k)[:, None] * stride_ym + offs_h[None, :],
+                    mask=valid[:, None] & h_mask[None, :], other=0.0)
+        acc += y.to(tl.float32)
+    tl.store(out_ptr + toks[:, None] * stride_ot + offs_h[None, :] * stride_oh,
+             acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & h_mask[None, :])

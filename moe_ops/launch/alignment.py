@@ -1,0 +1,57 @@
+"""Host side of the alignment kernels. Buffers are sized from shapes alone."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from moe_ops._runtime import kernel_for
+from moe_ops.kernels.alignment import count_kernel, scan_kernel, scatter_kernel
+from moe_ops.reference.alignment import max_padded_rows
+
+# Count/scatter programs walk their span in [CHUNK, E] one-hot tiles of about TILE_ELEMS
+# elements; there are at most SCAN_ELEMS / E of them so the one-program scan is one [P, E] tile.
+TILE_ELEMS = 8192
+SCAN_ELEMS = 16384
+
+
+@dataclass
+class Alignment:
+    sorted_slots: torch.Tensor   # int32 [max_rows]
+    block_expert: torch.Tensor   # int32 [max_rows // block_m]
+    num_rows: torch.Tensor       # int32 [1], device side
+    block_m: int
+
+    @property
+    def max_rows(self) -> int:
+        return self.sorted_slots.shape[0]
+
+
+def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    n_slots = ids.numel()
+    max_rows = max_padded_rows(n_slots, num_experts, block_m)
+    n_blocks = max_rows // block_m
+    block_e = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(1024, TILE_ELEMS // block_e))
+    n_programs = max(1, min(128, SCAN_ELEMS // block_e, triton.cdiv(n_slots, chunk)))
+    span = triton.cdiv(triton.cdiv(n_slots, n_programs), chunk) * chunk
+    n_programs = max(1, triton.cdiv(n_slots, span))
+    counts = torch.empty(n_programs, block_e, dtype=torch.int32, device=dev)
+    bases = torch.empty_like(counts)
+    sorted_slots = torch.empty(max_rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    kernel_for(count_kernel, dev)[(n_programs,)](
+        ids, counts, n_slots, span, num_experts, CHUNK=chunk, BLOCK_E=block_e)
+    kernel_for(scan_kernel, dev)[(1,)](
+        counts, bases, sorted_slots, block_expert, num_rows, n_programs, n_slots, n_blocks,
+        num_experts, BLOCK_M=block_m, BLOCK_P=triton.next_power_of_2(n_programs),
+        BLOCK_E=block_e, BLOCK_B=max(16, min(256, 8192 // block_e)), num_warps=4)
+    kernel_for(scatter_kernel, dev)[(n_programs,)](
+        ids, bases, sorted_slots, n_slots, span, num_experts, CHUNK=chunk, BLOCK_E=block_e)
+    return Alignment(sorted_slots, block_expert, num_rows, block_m)

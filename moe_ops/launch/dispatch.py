@@ -1,0 +1,58 @@
+"""Host side of moe.dispatch: align, gate+up GEMM (SwiGLU fused), down GEMM (routing weight
+fused), deterministic combine. Every buffer is sized from shapes; nothing syncs with the host."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from moe_ops._runtime import kernel_for
+from moe_ops.kernels.expert_gemm import combine_kernel, down_kernel, gate_up_kernel
+from moe_ops.launch.alignment import align_triton
+from moe_ops.tuning.heuristics import dispatch_config
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs get full-precision products (tf32 would cost ~3e-4 relative error).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", config=None):
+    T, H = hidden.shape
+    E, I = w2.shape[0], w2.shape[2]
+    K = topk_ids.shape[1]
+    dev = hidden.device
+    out = torch.empty(T, H, dtype=hidden.dtype, device=dev)
+    if T == 0:
+        return out
+    cfg = config or dispatch_config(T, E, K, H, I, dev.type, hidden.dtype)
+    al = align_triton(topk_ids, E, cfg.block_m)
+    n_slots = T * K
+    n_blocks = al.max_rows // cfg.block_m
+    precision = _dot_precision(hidden.dtype)
+    act = torch.empty(al.max_rows, I, dtype=hidden.dtype, device=dev)
+    kernel_for(gate_up_kernel, dev)[(n_blocks, triton.cdiv(I, cfg.block_n1))](
+        hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
+        n_slots, H, I, K,
+        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        act.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    # Per-slot expert outputs in float32; the combine sums them in a fixed order.
+    y = torch.empty(n_slots, H, dtype=torch.float32, device=dev)
+    kernel_for(down_kernel, dev)[(n_blocks, triton.cdiv(H, cfg.block_n2))](
+        act, w2, y, topk_weights, al.sorted_slots, al.block_expert, al.num_rows,
+        n_slots, H, I, K,
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
+        topk_weights.stride(0), topk_weights.stride(1), y.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    block_t = 4
+    block_h = min(1024, triton.next_power_of_2(H))
+    kernel_for(combine_kernel, dev)[(triton.cdiv(T, block_t), triton.cdiv(H, block_h))](
+        y, topk_ids, out, T, H, E, K,
+        topk_ids.stride(0), topk_ids.stride(1), y.stride(0), out.stride(0), out.stride(1),
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+    )
+    return out

@@ -1,0 +1,31 @@
+"""Host side of moe.route: buffer allocation, block sizes, launch."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from moe_ops._runtime import kernel_for
+from moe_ops.kernels.routing import route_kernel
+
+
+def route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, scale):
+    T, E = router_logits.shape
+    dev = router_logits.device
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
+    if T == 0:
+        return weights, ids
+    block_e = triton.next_power_of_2(E)
+    block_t = max(1, min(64, 4096 // block_e))
+    grid = (triton.cdiv(T, block_t),)
+    kernel_for(route_kernel, dev)[grid](
+        router_logits, bias if bias is not None else router_logits, weights, ids,
+        T, E, router_logits.stride(0), router_logits.stride(1),
+        top_k, num_groups, E // num_groups, topk_groups, float(scale),
+        SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
+        GROUPED=num_groups > 1,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(num_groups),
+        BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=4,
+    )
+    return weights, ids

@@ -1,0 +1,64 @@
+"""moe::route: schema, fake, autograd, device dispatch."""
+from __future__ import annotations
+
+import torch
+
+from moe_ops._runtime import use_triton
+from moe_ops.ops._registry import define
+from moe_ops.ops.checks import check_route
+from moe_ops.reference.routing import route_backward_reference, route_reference
+
+ROUTE_SCHEMA = (
+    'route(Tensor router_logits, int top_k, str scoring="softmax", bool renormalize=True, '
+    "Tensor? bias=None, int num_groups=1, int topk_groups=1, float scale=1.0) "
+    "-> (Tensor topk_weights, Tensor topk_ids)"
+)
+ROUTE = define(ROUTE_SCHEMA)
+
+
+@torch.library.register_kernel(ROUTE, ("cpu", "cuda"))
+def _route_impl(router_logits, top_k, scoring="softmax", renormalize=True, bias=None,
+                num_groups=1, topk_groups=1, scale=1.0):
+    check_route(router_logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, scale)
+    if use_triton(router_logits) and router_logits.dtype != torch.float64:
+        from moe_ops.launch.routing import route_triton
+
+        return route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups,
+                            topk_groups, scale)
+    w, ids = route_reference(router_logits, top_k, scoring, renormalize, bias, num_groups,
+                             topk_groups, scale)
+    return w.to(torch.float32), ids
+
+
+@torch.library.register_fake(ROUTE)
+def _route_fake(router_logits, top_k, scoring="softmax", renormalize=True, bias=None,
+                num_groups=1, topk_groups=1, scale=1.0):
+    check_route(router_logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, scale)
+    T = router_logits.shape[0]
+    return (router_logits.new_empty((T, top_k), dtype=torch.float32),
+            router_logits.new_empty((T, top_k), dtype=torch.int32))
+
+
+def _route_setup_context(ctx, inputs, output):
+    router_logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, scale = inputs
+    ctx.save_for_backward(router_logits, output[1])
+    ctx.scoring, ctx.renormalize, ctx.scale = scoring, renormalize, scale
+
+
+def _route_backward(ctx, grad_weights, grad_ids):
+    router_logits, topk_ids = ctx.saved_tensors
+    grad_logits = route_backward_reference(grad_weights, router_logits, topk_ids, ctx.scoring,
+                                           ctx.renormalize, None, 1, 1, ctx.scale)
+    # No gradient to top_k, scoring, renormalize, bias (selection only), groups, scale.
+    return grad_logits, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(ROUTE, _route_backward, setup_context=_route_setup_context)
+
+
+def route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
+          renormalize: bool = True, bias: torch.Tensor | None = None, num_groups: int = 1,
+          topk_groups: int = 1, scale: float = 1.0):
+    """Python entry point of `torch.ops.moe.route` (same arguments, keyword-friendly)."""
+    return torch.ops.moe.route(router_logits, top_k, scoring, renormalize, bias, num_groups,
+                               topk_groups, scale)

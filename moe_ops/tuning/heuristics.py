@@ -1,0 +1,47 @@
+"""Kernel configurations from shapes alone (pure functions; no autotuning at call time, which
+cannot run inside CUDA-graph capture)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    block_m: int
+    block_n1: int      # gate+up GEMM: columns of I per program
+    block_k1: int      # gate+up GEMM: reduction step over H
+    block_n2: int      # down GEMM: columns of H per program
+    block_k2: int      # down GEMM: reduction step over I
+    num_warps: int
+    num_stages: int
+
+
+def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
+                    dtype: torch.dtype) -> DispatchConfig:
+    if device_type != "cuda":
+        # Interpreter: numpy runs each program; few large-ish blocks keep tiny tests fast.
+        return DispatchConfig(16, 32, 32, 32, 32, 4, 1)
+    rows_per_expert = T * K / max(E, 1)
+    # Small batches: BLOCK_M near the rows an expert gets, so each expert's weights stream once
+    # and little of each tile is padding.
+    if rows_per_expert <= 16:
+        block_m = 16
+    elif rows_per_expert <= 32:
+        block_m = 32
+    elif rows_per_expert <= 64:
+        block_m = 64
+    else:
+        block_m = 128
+    wide = dtype == torch.float32
+    if block_m <= 32:
+        cfg = DispatchConfig(block_m, 64, 128, 64, 128, 4, 4)
+    elif block_m == 64:
+        cfg = DispatchConfig(block_m, 64, 64, 128, 64, 4, 4)
+    else:
+        cfg = DispatchConfig(block_m, 128, 64, 128, 64, 8, 3)
+    if wide:
+        # float32 tiles take twice the shared memory per stage.
+        cfg = DispatchConfig(cfg.block_m, cfg.block_n1, 32, cfg.block_n2, 32, cfg.num_warps, 3)
+    return cfg

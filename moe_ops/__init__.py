@@ -14,10 +14,8 @@ def _register_integrations():
         import transformers  # noqa: F401
     except ImportError:
         return
-    try:
-        from moe_ops.integrations.huggingface import register_experts_interface
-    except ImportError:
-        return
+    from moe_ops.integrations.huggingface import register_experts_interface
+
     register_experts_interface()
 
 

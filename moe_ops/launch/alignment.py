@@ -36,6 +36,9 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
     n_slots = ids.numel()
     max_rows = max_padded_rows(n_slots, num_experts, block_m)
     n_blocks = max_rows // block_m
+    if n_slots == 0:
+        empty = torch.empty(0, dtype=torch.int32, device=dev)
+        return Alignment(empty, empty, torch.zeros(1, dtype=torch.int32, device=dev), block_m)
     block_e = triton.next_power_of_2(num_experts)
     chunk = max(16, min(1024, TILE_ELEMS // block_e))
     n_programs = max(1, min(128, SCAN_ELEMS // block_e, triton.cdiv(n_slots, chunk)))

@@ -16,12 +16,15 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", config=None):
+def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", config=None,
+                    out=None):
+    """`out` (internal, for tests that poison outputs) must be a fresh [T, H] buffer."""
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
     dev = hidden.device
-    out = torch.empty(T, H, dtype=hidden.dtype, device=dev)
+    if out is None:
+        out = torch.empty(T, H, dtype=hidden.dtype, device=dev)
     if T == 0:
         return out
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, hidden.dtype)

@@ -8,11 +8,15 @@ from moe_ops._runtime import kernel_for
 from moe_ops.kernels.routing import route_kernel
 
 
-def route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, scale):
+def route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, scale,
+                 out=None):
+    """`out` (internal, for tests that poison outputs): (weights, ids) buffers to fill."""
     T, E = router_logits.shape
     dev = router_logits.device
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
+    if out is None:
+        out = (torch.empty(T, top_k, dtype=torch.float32, device=dev),
+               torch.empty(T, top_k, dtype=torch.int32, device=dev))
+    weights, ids = out
     if T == 0:
         return weights, ids
     block_e = triton.next_power_of_2(E)

@@ -13,6 +13,11 @@ def _tensor(name, x):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
 
 
+def check_tensor_args(**tensors):
+    for name, x in tensors.items():
+        _tensor(name, x)
+
+
 def _rank(name, x, rank, what):
     if x.dim() != rank:
         raise ValueError(f"{name} must be {rank}-D {what}, got shape {tuple(x.shape)}")

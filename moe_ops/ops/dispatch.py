@@ -6,7 +6,7 @@ import torch
 
 from moe_ops._runtime import use_triton
 from moe_ops.ops._registry import define
-from moe_ops.ops.checks import check_dispatch, check_ids_in_range
+from moe_ops.ops.checks import check_dispatch, check_ids_in_range, check_tensor_args
 from moe_ops.reference.dispatch import dispatch_backward_reference, dispatch_reference
 
 DISPATCH_SCHEMA = (
@@ -72,5 +72,7 @@ torch.library.register_autograd(DISPATCH, _dispatch_backward, setup_context=_dis
 
 def dispatch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu"):
-    """Python entry point of `torch.ops.moe.dispatch`."""
+    """Python entry point of `torch.ops.moe.dispatch`. Argument types are checked here too: a
+    non-tensor given to torch.ops.moe.dispatch itself fails in the dispatcher with a RuntimeError."""
+    check_tensor_args(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     return torch.ops.moe.dispatch(hidden, w13, w2, topk_weights, topk_ids, activation)

@@ -5,7 +5,7 @@ import torch
 
 from moe_ops._runtime import use_triton
 from moe_ops.ops._registry import define
-from moe_ops.ops.checks import check_route
+from moe_ops.ops.checks import check_route, check_tensor_args
 from moe_ops.reference.routing import route_backward_reference, route_reference
 
 ROUTE_SCHEMA = (
@@ -60,5 +60,8 @@ def route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
           renormalize: bool = True, bias: torch.Tensor | None = None, num_groups: int = 1,
           topk_groups: int = 1, scale: float = 1.0):
     """Python entry point of `torch.ops.moe.route` (same arguments, keyword-friendly)."""
+    check_tensor_args(router_logits=router_logits)
+    if bias is not None:
+        check_tensor_args(bias=bias)
     return torch.ops.moe.route(router_logits, top_k, scoring, renormalize, bias, num_groups,
                                topk_groups, scale)

@@ -1,0 +1,74 @@
+"""Sample inputs for the ops (opcheck and tests): the edge cases the contract lists."""
+from __future__ import annotations
+
+import torch
+
+
+def make_dispatch_inputs(T, H, I, E, K, *, dtype=torch.float32, device="cpu", routing="uniform",
+                         weight_std=0.1, generator=None, requires_grad=False, ids_dtype=torch.int32):
+    """Random (hidden, w13, w2, topk_weights, topk_ids). routing: "uniform" (K distinct experts per
+    token), "one_expert" (every slot on expert 0; K must be 1 or ids repeat across k),
+    "empty_experts" (only the first half of the experts receive tokens), "negative" (about a
+    quarter of the ids are -1), "skewed" (Zipf-like load)."""
+    g = generator
+    kw = dict(device=device)
+    hidden = torch.randn(T, H, generator=g, **kw).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g, **kw) * weight_std).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=g, **kw) * weight_std).to(dtype)
+    topk_weights = torch.rand(T, K, generator=g, **kw)
+    if routing == "one_expert":
+        ids = torch.zeros(T, K, dtype=torch.long, device=device)
+    elif routing == "empty_experts":
+        hot = max(K, E // 2)
+        ids = torch.rand(T, hot, generator=g, **kw).argsort(-1)[:, :K]
+    elif routing == "skewed":
+        p = 1.0 / torch.arange(1, E + 1, device=device, dtype=torch.float64) ** 1.2
+        ids = torch.multinomial(p.expand(max(T, 1), E).float(), K, generator=g)[:T]
+    else:
+        ids = torch.rand(T, E, generator=g, **kw).argsort(-1)[:, :K]
+    if routing == "negative":
+        drop = torch.rand(T, K, generator=g, **kw) < 0.25
+        ids = ids.masked_fill(drop, -1)
+    ids = ids.to(ids_dtype)
+    if requires_grad:
+        for t in (hidden, w13, w2, topk_weights):
+            t.requires_grad_(True)
+    return hidden, w13, w2, topk_weights, ids
+
+
+def dispatch_samples(device="cpu", dtype=torch.float32, requires_grad=False):
+    """(args, kwargs) pairs covering T=0, T=1, odd sizes, empty experts, one hot expert, ids < 0,
+    non-contiguous hidden, int64 ids."""
+    g = torch.Generator(device=device).manual_seed(0)
+    out = []
+    for T, H, I, E, K, routing in [(0, 8, 6, 4, 2, "uniform"), (1, 9, 5, 4, 2, "uniform"),
+                                   (7, 13, 11, 6, 3, "empty_experts"), (6, 8, 6, 4, 1, "one_expert"),
+                                   (9, 10, 7, 5, 2, "negative")]:
+        out.append((make_dispatch_inputs(T, H, I, E, K, dtype=dtype, device=device, routing=routing,
+                                         generator=g, requires_grad=requires_grad), {}))
+    h, w13, w2, w, ids = make_dispatch_inputs(5, 12, 6, 4, 2, dtype=dtype, device=device,
+                                              generator=g, ids_dtype=torch.int64)
+    h = torch.randn(12, 5, generator=g, device=device).to(dtype).t()  # non-contiguous [T, H]
+    if requires_grad:
+        for t in (h, w13, w2, w):
+            t.requires_grad_(True)
+    out.append(((h, w13, w2, w, ids), {"activation": "silu"}))
+    return out
+
+
+def route_samples(device="cpu", requires_grad=False):
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def logits(T, E, dtype=torch.float32):
+        x = torch.randn(T, E, generator=g, device=device).to(dtype)
+        return x.requires_grad_(requires_grad)
+
+    bias = torch.randn(16, generator=g, device=device) * 0.1
+    return [
+        ((logits(0, 8), 2), {}),
+        ((logits(1, 8), 2), {}),
+        ((logits(7, 6), 3), {"renormalize": False}),
+        ((logits(5, 16, torch.bfloat16), 4), {"scoring": "sigmoid", "bias": bias, "num_groups": 4,
+                                                "topk_groups": 2, "scale": 2.5}),
+        ((logits(9, 10), 10), {}),
+    ]

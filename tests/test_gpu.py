@@ -1,0 +1,185 @@
+"""GPU tests (H200): parity on every benchmark shape, large offsets, poisoned memory, determinism,
+CUDA-graph capture, no host sync. Skipped without CUDA."""
+import pytest
+import torch
+
+from conftest import rel_err
+from moe_ops.launch.dispatch import dispatch_triton
+from moe_ops.ops.samples import make_dispatch_inputs
+from moe_ops.reference import dispatch_reference, route_reference
+
+pytestmark = pytest.mark.gpu
+
+# name: (H, I, E, K)
+SHAPES = {
+    "mixtral_8x7b": (4096, 14336, 8, 2),
+    "qwen3_30b_a3b": (2048, 768, 128, 8),
+    "deepseek_v3_routed": (7168, 2048, 256, 8),
+    "olmoe": (2048, 1024, 64, 8),
+}
+# float32 runs full-precision products; bf16/fp16 store the [rows, I] activation in the input
+# dtype, so their error is a few units of its rounding (2^-8 bf16, 2^-11 fp16).
+GPU_RTOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+
+
+def _oracle(hidden, w13, w2, w, ids):
+    """float64 reference on the GPU, expert by expert (casts one expert's weights at a time)."""
+    T, H = hidden.shape
+    E, I = w2.shape[0], w2.shape[2]
+    K = ids.shape[1]
+    out = torch.zeros(T, H, dtype=torch.float64, device=hidden.device)
+    flat = ids.reshape(-1).long()
+    wf = w.reshape(-1).double()
+    key = flat.masked_fill((flat < 0) | (flat >= E), E)   # dropped slots sort last
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=E + 1)[:E]
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c == 0:
+            continue
+        slots = order[start:start + c]
+        start += c
+        tok = slots // K
+        x = hidden[tok].double()
+        z = x @ w13[e].double().t()
+        a = torch.nn.functional.silu(z[:, :I]) * z[:, I:]
+        out.index_add_(0, tok, (a @ w2[e].double().t()) * wf[slots, None])
+    return out
+
+
+def _poison_allocator(nbytes=1 << 30):
+    """Fill free cached memory with NaN so that intermediates the kernels never write show up."""
+    torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
+
+
+def _inputs(name, T, dtype, routing="uniform", seed=0):
+    H, I, E, K = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return make_dispatch_inputs(T, H, I, E, K, dtype=dtype, device="cuda", routing=routing,
+                                weight_std=0.02, generator=g)
+
+
+@pytest.mark.parametrize("T", [1, 7, 128, 2048])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_parity_benchmark_shapes(name, dtype, T):
+    args = _inputs(name, T, dtype, seed=T)
+    _poison_allocator()
+    out = torch.full((T, args[0].shape[1]), float("nan"), dtype=dtype, device="cuda")
+    dispatch_triton(*args, out=out)
+    assert rel_err(out, _oracle(*args)) <= GPU_RTOL[dtype]
+    del args, out
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("routing", ["skewed", "one_expert", "empty_experts", "negative"])
+def test_parity_routings(routing):
+    args = _inputs("qwen3_30b_a3b", 2048, torch.bfloat16, routing=routing, seed=11)
+    out = torch.ops.moe.dispatch(*args)
+    assert rel_err(out, _oracle(*args)) <= GPU_RTOL[torch.bfloat16]
+
+
+def test_odd_sizes():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for T, H, I, E, K in [(1, 33, 17, 5, 2), (77, 1000, 333, 13, 3), (300, 129, 65, 3, 3)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            args = make_dispatch_inputs(T, H, I, E, K, dtype=dtype, device="cuda", generator=g,
+                                        routing="negative")
+            out = torch.ops.moe.dispatch(*args)
+            assert rel_err(out, _oracle(*args)) <= GPU_RTOL[dtype]
+
+
+def test_offsets_past_2_31():
+    # T*K*H = 40000*8*7168 = 2.29e9 > 2^31: per-slot output offsets need 64-bit arithmetic.
+    T, H, I, E, K = 40000, 7168, 256, 8, 8
+    g = torch.Generator(device="cuda").manual_seed(6)
+    args = make_dispatch_inputs(T, H, I, E, K, dtype=torch.bfloat16, device="cuda", generator=g,
+                                weight_std=0.02)
+    out = torch.ops.moe.dispatch(*args)
+    ref = _oracle(*args)
+    assert rel_err(out, ref) <= GPU_RTOL[torch.bfloat16]
+    # the last tokens live past the 2^31 boundary of the slot buffer
+    assert rel_err(out[-100:], ref[-100:]) <= GPU_RTOL[torch.bfloat16]
+
+
+def test_deterministic_bitwise():
+    args = _inputs("olmoe", 2048, torch.bfloat16, routing="skewed")
+    first = torch.ops.moe.dispatch(*args)
+    for _ in range(5):
+        assert torch.equal(torch.ops.moe.dispatch(*args), first)
+
+
+@pytest.mark.parametrize("E,K,kw", [(8, 2, {}), (128, 8, {}), (64, 8, {"renormalize": False}),
+                                    (256, 8, {"scoring": "sigmoid", "num_groups": 8,
+                                              "topk_groups": 4, "scale": 2.5})])
+@pytest.mark.parametrize("T", [1, 7, 128, 4096])
+def test_route_parity(T, E, K, kw):
+    g = torch.Generator(device="cuda").manual_seed(T + E)
+    logits = torch.randn(T, E, device="cuda", generator=g)
+    if "num_groups" in kw:
+        kw = dict(kw, bias=torch.randn(E, device="cuda", generator=g) * 0.01)
+    w_buf = torch.full((T, K), float("nan"), device="cuda")
+    ids_buf = torch.full((T, K), -5, dtype=torch.int32, device="cuda")
+    from moe_ops.launch.routing import route_triton
+    route_triton(logits, K, kw.get("scoring", "softmax"), kw.get("renormalize", True),
+                 kw.get("bias"), kw.get("num_groups", 1), kw.get("topk_groups", 1),
+                 kw.get("scale", 1.0), out=(w_buf, ids_buf))
+    w_ref, ids_ref = route_reference(logits.double(), K, **kw)
+    assert torch.equal(ids_buf, ids_ref)
+    torch.testing.assert_close(w_buf.double(), w_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 8, 128])
+def test_cuda_graph_capture_route_dispatch(T):
+    H, I, E, K = SHAPES["qwen3_30b_a3b"]
+    g = torch.Generator(device="cuda").manual_seed(T)
+    w13 = torch.randn(E, 2 * I, H, device="cuda", generator=g).bfloat16() * 0.02
+    w2 = torch.randn(E, H, I, device="cuda", generator=g).bfloat16() * 0.02
+    x_static = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    l_static = torch.randn(T, E, device="cuda", generator=g)
+
+    def step():
+        w, ids = torch.ops.moe.route(l_static, K)
+        return torch.ops.moe.dispatch(x_static, w13, w2, w, ids)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up: compile kernels before capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = step()
+    for i in range(3):
+        x_static.copy_(torch.randn(T, H, device="cuda", generator=g).bfloat16())
+        l_static.copy_(torch.randn(T, E, device="cuda", generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_static, step())
+
+
+def test_no_host_sync():
+    args = _inputs("olmoe", 128, torch.bfloat16)
+    logits = torch.randn(128, 64, device="cuda")
+    torch.ops.moe.dispatch(*args)
+    torch.ops.moe.route(logits, 8)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        w, ids = torch.ops.moe.route(logits, 8)
+        torch.ops.moe.dispatch(args[0], args[1], args[2], w, ids)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_backward_gpu_matches_float64():
+    g = torch.Generator(device="cuda").manual_seed(12)
+    args = make_dispatch_inputs(64, 256, 128, 8, 2, dtype=torch.float32, device="cuda",
+                                generator=g, requires_grad=True, routing="negative")
+    out = torch.ops.moe.dispatch(*args)
+    go = torch.randn(out.shape, device="cuda", generator=g)
+    out.backward(go)
+    ref = [a.detach().double().requires_grad_(True) for a in args[:4]]
+    dispatch_reference(*ref, args[4]).backward(go.double())
+    for a, r in zip(args[:4], ref):
+        assert rel_err(a.grad, r.grad) <= 1e-5

@@ -267,14 +267,17 @@ def _supported_blocks_text():
 # ----------------------------------------------------------------------------------------------
 # Instance patching
 
-_SAVED = "_moe_ops_saved"  # instance attribute: (patched attribute name, previous value or _ABSENT)
-_ABSENT = object()
+# Instance attribute of a patched module: (patched attribute name, its previous instance-level value
+# or None). None, not a sentinel object, so that the record survives copy.deepcopy and pickling.
+_SAVED = "_moe_ops_saved"
 
 
 def _forward_attr(module: torch.nn.Module, where: str) -> str:
     """The instance attribute to patch: `forward`, or accelerate's `_old_forward` when an
     accelerate hook (device_map, offloading) wraps the module, so the hook keeps running."""
     d = module.__dict__
+    if _SAVED in d:  # patched already
+        return d[_SAVED][0]
     if "_hf_hook" in d and "_old_forward" in d:
         return "_old_forward"
     if "forward" in d:
@@ -288,13 +291,13 @@ def _forward_attr(module: torch.nn.Module, where: str) -> str:
 def _patch_instance(module, fn, attr):
     if _SAVED in module.__dict__:
         return  # already patched: patching twice is harmless
-    module.__dict__[_SAVED] = (attr, module.__dict__.get(attr, _ABSENT))
+    module.__dict__[_SAVED] = (attr, module.__dict__.get(attr))
     module.__dict__[attr] = types.MethodType(fn, module)
 
 
 def _unpatch_instance(module):
     attr, prev = module.__dict__.pop(_SAVED)
-    if prev is _ABSENT:
+    if prev is None:
         module.__dict__.pop(attr, None)
     else:
         module.__dict__[attr] = prev
@@ -357,6 +360,7 @@ def _plan(model):
 # ----------------------------------------------------------------------------------------------
 # Class patching
 
+_ABSENT = object()
 _CLASS_SAVED: dict = {}  # class -> its own previous `forward` (or _ABSENT)
 
 

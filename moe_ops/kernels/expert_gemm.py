@@ -15,11 +15,19 @@ def gate_up_kernel(
     x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     n_slots, H, I, top_k,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_am,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    n_row_blocks, N,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # Grouped tile order: GROUP_M row blocks walk the N tiles together, so their weight tiles and
+    # gathered rows are reused from L2 (inlined: kernels here call no other @triton.jit code).
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * n_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(n_row_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
     num_rows = tl.load(num_rows_ptr)
     if pid_m * BLOCK_M >= num_rows:
         return
@@ -58,11 +66,19 @@ def down_kernel(
     act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     n_slots, H, I, top_k,
     stride_am, stride_we, stride_wn, stride_wk, stride_tw_t, stride_tw_k, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    n_row_blocks, N,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # Grouped tile order: GROUP_M row blocks walk the N tiles together, so their weight tiles and
+    # gathered rows are reused from L2 (inlined: kernels here call no other @triton.jit code).
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * n_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(n_row_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
     num_rows = tl.load(num_rows_ptr)
     if pid_m * BLOCK_M >= num_rows:
         return

@@ -32,10 +32,15 @@ def route_kernel(
         denom = tl.where(row_mask, denom, 1.0)
         s = p / denom[:, None]
     s = tl.where(mask, s, 0.0)
-    sel = s
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        sel = sel + b[None, :]
+    if HAS_BIAS or GROUPED:
+        sel = s
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            sel = sel + b[None, :]
+    else:
+        # softmax and sigmoid are monotone: ranking the logits themselves avoids ties that
+        # float32 rounding of exp() would create between close logits.
+        sel = x
     sel = tl.where(col_mask[None, :], sel, float("-inf"))
 
     if GROUPED:

@@ -17,7 +17,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", config=None,
-                    out=None):
+                    out=None, y_dtype=None):
     """`out` (internal, for tests that poison outputs) must be a fresh [T, H] buffer."""
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
@@ -33,22 +33,23 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     n_blocks = al.max_rows // cfg.block_m
     precision = _dot_precision(hidden.dtype)
     act = torch.empty(al.max_rows, I, dtype=hidden.dtype, device=dev)
-    kernel_for(gate_up_kernel, dev)[(n_blocks, triton.cdiv(I, cfg.block_n1))](
+    kernel_for(gate_up_kernel, dev)[(n_blocks * triton.cdiv(I, cfg.block_n1),)](
         hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, K,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        act.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
+        act.stride(0), n_blocks, I,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    # Per-slot expert outputs in float32; the combine sums them in a fixed order.
-    y = torch.empty(n_slots, H, dtype=torch.float32, device=dev)
-    kernel_for(down_kernel, dev)[(n_blocks, triton.cdiv(H, cfg.block_n2))](
+    # Per-slot expert outputs (routing weight applied, rounded once to the input dtype, as vLLM
+    # does; float32 for float32 inputs); the combine sums them in float32 in a fixed order.
+    y = torch.empty(n_slots, H, dtype=y_dtype or hidden.dtype, device=dev)
+    kernel_for(down_kernel, dev)[(n_blocks * triton.cdiv(H, cfg.block_n2),)](
         act, w2, y, topk_weights, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, K,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
-        topk_weights.stride(0), topk_weights.stride(1), y.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
+        topk_weights.stride(0), topk_weights.stride(1), y.stride(0), n_blocks, H,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, GROUP_M=cfg.group_m,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     block_t = 4

@@ -2,7 +2,7 @@
 cannot run inside CUDA-graph capture)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,6 +16,7 @@ class DispatchConfig:
     block_k2: int      # down GEMM: reduction step over I
     num_warps: int
     num_stages: int
+    group_m: int = 8   # row blocks that walk the N tiles together (L2 reuse)
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -43,5 +44,5 @@ def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
         cfg = DispatchConfig(block_m, 128, 64, 128, 64, 8, 3)
     if wide:
         # float32 tiles take twice the shared memory per stage.
-        cfg = DispatchConfig(cfg.block_m, cfg.block_n1, 32, cfg.block_n2, 32, cfg.num_warps, 3)
+        cfg = replace(cfg, block_k1=32, block_k2=32, num_stages=3)
     return cfg

@@ -1,0 +1,560 @@
+"""transformers integration: apply_moe_ops / revert_moe_ops on tiny random Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE and DeepSeek-V3 models, and the "moe_ops" experts implementation.
+
+Every model is built from a config (nothing is downloaded) and is small enough for a few seconds
+per test on two CPU cores. CPU tensors run the ops' torch reference; the GPU variants (bf16 on CUDA,
+Triton kernels) are marked `gpu`."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from conftest import rel_err  # noqa: E402
+from moe_ops.integrations import huggingface as hf  # noqa: E402
+from moe_ops.integrations.huggingface import (  # noqa: E402
+    UnsupportedModelError,
+    apply_moe_ops,
+    is_patched,
+    register_experts_interface,
+    revert_moe_ops,
+)
+
+VOCAB = 128
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM, MixtralConfig(intermediate_size=96, num_local_experts=4,
+                                             num_experts_per_tok=2, **COMMON)
+
+
+def _qwen2_moe():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM, Qwen2MoeConfig(
+        intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+        num_experts=6, num_experts_per_tok=2, norm_topk_prob=False, **COMMON)
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM, Qwen3MoeConfig(
+        intermediate_size=96, moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2,
+        norm_topk_prob=True, head_dim=16, **COMMON)
+
+
+def _olmoe():
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    return OlmoeForCausalLM, OlmoeConfig(intermediate_size=48, num_experts=6, num_experts_per_tok=2,
+                                         norm_topk_prob=False, **COMMON)
+
+
+def _deepseek_v3(**over):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    kw = dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+              num_experts_per_tok=3, n_group=4, topk_group=2, norm_topk_prob=True,
+              first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+              kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16,
+              qk_nope_head_dim=8, **{**COMMON, "num_key_value_heads": 4})
+    kw.update(over)
+    return DeepseekV3ForCausalLM, DeepseekV3Config(**kw)
+
+
+FAMILIES = {
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen2_moe,
+    "qwen3_moe": _qwen3_moe,
+    "olmoe": _olmoe,
+    "deepseek_v3": _deepseek_v3,
+    # no groups, no renormalisation, scale 1: the other DeepSeek-V3 router branch
+    "deepseek_v3_flat": lambda: _deepseek_v3(n_group=1, topk_group=1, norm_topk_prob=False,
+                                             routed_scaling_factor=1.0),
+}
+# The families whose router logits transformers records for the auxiliary loss (all of them in
+# transformers >= 5.2x; DeepSeek-V3 in 5.17 records none).
+NAMES = list(FAMILIES)
+
+
+def make_model(name, dtype=torch.float32, device="cpu", seed=0):
+    cls, config = FAMILIES[name]()
+    torch.manual_seed(seed)
+    model = cls(config)
+    with torch.no_grad():
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.normal_(0.0, 0.3)  # make the selection bias matter
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def input_ids(batch=2, seq=9, seed=1, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, seq), generator=g).to(device)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts calls of torch.ops.moe.* (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "moe":
+            name = func.__name__.split(".")[0]
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def num_moe_blocks(model):
+    return sum(1 for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate"))
+
+
+def assert_pristine(model):
+    """No instance attribute left behind by apply_moe_ops."""
+    for m in model.modules():
+        assert "_moe_ops_saved" not in m.__dict__
+        assert "forward" not in m.__dict__, type(m).__name__
+
+
+@pytest.fixture(autouse=True)
+def _no_class_patch_leaks():
+    yield
+    revert_moe_ops()  # a failing class-route test must not leak into the others
+
+
+# ------------------------------------------------------------------------------------------------
+# Instance route
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match(name):
+    model = make_model(name)
+    ids = input_ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+        assert apply_moe_ops(model) is model
+        with OpCounter() as c:
+            out = model(ids).logits
+    blocks = num_moe_blocks(model)
+    assert blocks >= 1
+    assert c.counts == {"route": blocks, "dispatch": blocks}
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_router_matches_transformers(name):
+    """The patched router against transformers' own on the same weights: same experts, same
+    weights (each row's ids may come in another order), same logits."""
+    model = make_model(name)
+    block = next(m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate"))
+    router = block.gate
+    hidden = torch.randn(33, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref_logits, ref_w, ref_ids = router(hidden)
+        apply_moe_ops(model)
+        logits, w, ids = router(hidden)
+    assert torch.equal(logits, ref_logits)
+    assert w.dtype == ref_w.dtype and w.shape == ref_w.shape
+    ref_order = ref_ids.argsort(dim=-1)
+    order = ids.long().argsort(dim=-1)
+    assert torch.equal(ids.long().gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_generate_matches(name):
+    model = make_model(name)
+    ids = input_ids(batch=1, seq=5)
+    kw = dict(max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    ref = model.generate(ids, **kw)
+    apply_moe_ops(model)
+    out = model.generate(ids, **kw)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+def test_generate_static_cache(name):
+    model = make_model(name)
+    ids = input_ids(batch=2, seq=5)
+    kw = dict(max_new_tokens=6, do_sample=False, min_new_tokens=6, cache_implementation="static")
+    ref = model.generate(ids, **kw)
+    apply_moe_ops(model)
+    out = model.generate(ids, **kw)
+    assert torch.equal(out, ref)
+
+
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_training_step_gradients(name):
+    ref_model = make_model(name).train()
+    model = apply_moe_ops(copy.deepcopy(ref_model))
+    ids = input_ids()
+    aux = hasattr(ref_model.config, "output_router_logits")
+    kw = dict(labels=ids, output_router_logits=True) if aux else dict(labels=ids)
+    ref_out = ref_model(ids, **kw)
+    with OpCounter() as c:
+        out = model(ids, **kw)
+        out.loss.backward()
+    ref_out.loss.backward()
+    assert c.counts.get("dispatch_backward", 0) == num_moe_blocks(model)
+    assert rel_err(out.loss, ref_out.loss) < 1e-5
+    if getattr(ref_out, "aux_loss", None) is not None:
+        assert rel_err(out.aux_loss, ref_out.aux_loss) < 1e-5
+    ref_grads, grads = _grads(ref_model), _grads(model)
+    routers = [n for n in grads if ".gate.weight" in n or n.endswith("gate.weight")]
+    assert routers, "no router parameter found"
+    for n, g in ref_grads.items():
+        if g is None:
+            assert grads[n] is None, n
+            continue
+        assert grads[n] is not None, f"{n}: no gradient through moe_ops"
+        assert rel_err(grads[n], g) < 1e-5, n
+    for n in routers:
+        assert grads[n].abs().sum() > 0, f"{n}: zero router gradient"
+    # ... and the step itself
+    for m in (ref_model, model):
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, ref_model(ids).logits) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
+def test_router_logits_recorded(name):
+    """output_router_logits=True still records the router logits (hooks on the router module)."""
+    model = make_model(name)
+    ids = input_ids()
+    with torch.no_grad():
+        ref = model(ids, output_router_logits=True).router_logits
+        apply_moe_ops(model)
+        out = model(ids, output_router_logits=True).router_logits
+    assert len(out) == len(ref) > 0
+    for a, b in zip(out, ref):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_revert_restores(name):
+    model = make_model(name)
+    ids = input_ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+        apply_moe_ops(model)
+        assert is_patched(model)
+        assert revert_moe_ops(model) is model
+        assert not is_patched(model)
+        assert_pristine(model)
+        with OpCounter() as c:
+            out = model(ids).logits
+    assert c.counts == {}
+    assert torch.equal(out, ref)
+
+
+def test_patch_twice_harmless():
+    model = make_model("qwen2_moe")
+    ids = input_ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+        apply_moe_ops(model)
+        once = model(ids).logits
+        apply_moe_ops(model)
+        with OpCounter() as c:
+            twice = model(ids).logits
+        assert c.counts == {"route": 2, "dispatch": 2}
+        assert torch.equal(once, twice)
+        revert_moe_ops(model)  # one revert undoes both
+        assert_pristine(model)
+        assert torch.equal(model(ids).logits, ref)
+        revert_moe_ops(model)  # reverting again does nothing
+        assert_pristine(model)
+
+
+def test_deepseek_dense_layers_untouched():
+    model = make_model("deepseek_v3")
+    apply_moe_ops(model)
+    layers = model.model.layers
+    assert type(layers[0].mlp).__name__ == "DeepseekV3MLP"
+    assert not any("_moe_ops_saved" in m.__dict__ for m in layers[0].modules())
+    assert "_moe_ops_saved" in layers[1].mlp.gate.__dict__
+    assert "_moe_ops_saved" in layers[1].mlp.experts.__dict__
+    assert "_moe_ops_saved" not in layers[1].mlp.shared_experts.__dict__
+
+
+def test_zero_copy():
+    """The ops read the model's own expert tensors: an in-place change shows up."""
+    model = apply_moe_ops(make_model("mixtral"))
+    ids = input_ids()
+    with torch.no_grad():
+        before = model(ids).logits
+        for layer in model.model.layers:
+            layer.mlp.experts.down_proj.mul_(2.0)
+        after = model(ids).logits
+    assert not torch.allclose(before, after)
+
+
+def test_deepcopy_of_patched_model():
+    model = apply_moe_ops(make_model("olmoe"))
+    clone = copy.deepcopy(model)
+    ids = input_ids()
+    with torch.no_grad():
+        with torch.no_grad():
+            clone.model.layers[0].mlp.experts.down_proj.zero_()
+        assert not torch.equal(clone(ids).logits, model(ids).logits)
+    assert is_patched(clone)
+    revert_moe_ops(clone)
+    assert_pristine(clone)
+    assert is_patched(model)
+
+
+# ------------------------------------------------------------------------------------------------
+# Class route
+
+
+def test_class_route():
+    ref_model = make_model("qwen3_moe")
+    ids = input_ids()
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as mod
+
+    router_fwd = mod.Qwen3MoeTopKRouter.__dict__["forward"]
+    experts_fwd = mod.Qwen3MoeExperts.__dict__["forward"]
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+        try:
+            assert apply_moe_ops() is None
+            apply_moe_ops()  # twice: harmless
+            assert is_patched()
+            model = make_model("qwen3_moe")  # built afterwards, same seed, same weights
+            with OpCounter() as c:
+                out = model(ids).logits
+            assert c.counts == {"route": 2, "dispatch": 2}
+            assert rel_err(out, ref) < 1e-5
+            assert_pristine(model)  # the classes carry the patch, not the instance
+            # the instance route on top of the class route is harmless too
+            apply_moe_ops(model)
+            assert rel_err(model(ids).logits, ref) < 1e-5
+            revert_moe_ops(model)
+        finally:
+            revert_moe_ops()
+        assert not is_patched()
+        assert mod.Qwen3MoeTopKRouter.__dict__["forward"] is router_fwd
+        assert mod.Qwen3MoeExperts.__dict__["forward"] is experts_fwd
+        with OpCounter() as c:
+            again = model(ids).logits
+        assert c.counts == {}
+        assert torch.equal(again, ref)
+
+
+def test_class_route_trains():
+    ref_model = make_model("mixtral").train()
+    ids = input_ids()
+    try:
+        apply_moe_ops()
+        model = make_model("mixtral").train()
+        model(ids, labels=ids).loss.backward()
+    finally:
+        revert_moe_ops()
+    ref_model(ids, labels=ids).loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-5, n
+
+
+# ------------------------------------------------------------------------------------------------
+# ExpertsInterface route
+
+
+def test_experts_interface_registered():
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    assert "moe_ops" in ALL_EXPERTS_FUNCTIONS
+    assert ALL_EXPERTS_FUNCTIONS["moe_ops"] is hf.moe_ops_experts_forward
+    assert register_experts_interface() is True  # idempotent
+    assert register_experts_interface() is True
+    assert ALL_EXPERTS_FUNCTIONS["moe_ops"] is hf.moe_ops_experts_forward
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_experts_interface(name):
+    model = make_model(name)
+    ids = input_ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+        model.set_experts_implementation("moe_ops")
+        with OpCounter() as c:
+            out = model(ids).logits
+    assert c.counts == {"dispatch": num_moe_blocks(model)}  # transformers' own router
+    assert rel_err(out, ref) < 1e-5
+    gen_ref = make_model(name).generate(input_ids(1, 5), max_new_tokens=5, do_sample=False)
+    assert torch.equal(model.generate(input_ids(1, 5), max_new_tokens=5, do_sample=False), gen_ref)
+
+
+def test_experts_interface_trains():
+    ref_model = make_model("qwen2_moe").train()
+    model = copy.deepcopy(ref_model)
+    model.set_experts_implementation("moe_ops")
+    ids = input_ids()
+    model(ids, labels=ids).loss.backward()
+    ref_model(ids, labels=ids).loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        if q.grad is not None:
+            assert rel_err(p.grad, q.grad) < 1e-5, n
+
+
+def test_from_pretrained_experts_implementation(tmp_path):
+    model = make_model("mixtral")
+    model.save_pretrained(tmp_path)
+    ids = input_ids()
+    loaded = type(model).from_pretrained(tmp_path, experts_implementation="moe_ops").eval()
+    assert loaded.config._experts_implementation == "moe_ops"
+    with torch.no_grad(), OpCounter() as c:
+        out = loaded(ids).logits
+        ref = model(ids).logits
+    assert c.counts.get("dispatch", 0) == 2
+    assert rel_err(out, ref) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# Unsupported models and layouts
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(intermediate_size=96, **COMMON)).eval()
+
+
+def _gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GptOssConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                       sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                       **COMMON)
+    return GptOssForCausalLM(cfg).eval()
+
+
+def test_unsupported_dense_model_raises():
+    model = _llama()
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
+        apply_moe_ops(model)
+    assert_pristine(model)
+
+
+def test_unsupported_moe_model_raises():
+    model = _gpt_oss()
+    with pytest.raises(UnsupportedModelError, match="GptOssForCausalLM.*GptOss"):
+        apply_moe_ops(model)
+    assert_pristine(model)
+
+
+def test_experts_interface_rejects_gpt_oss_layout():
+    model = _gpt_oss()
+    model.set_experts_implementation("moe_ops")
+    with pytest.raises(UnsupportedModelError, match="GptOssExperts.*(transposed|interleaved|bias)"):
+        model(input_ids())
+
+
+def test_unsupported_experts_layout_in_known_block_raises():
+    """A known block whose experts do not fit the contract is refused, and nothing is patched."""
+    model = make_model("mixtral")
+    model.model.layers[1].mlp.experts.act_fn = torch.nn.GELU()
+    with pytest.raises(UnsupportedModelError, match="GELU"):
+        apply_moe_ops(model)
+    assert_pristine(model)
+
+
+def test_not_a_module_raises():
+    with pytest.raises(TypeError):
+        apply_moe_ops("mixtral")
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.compile
+
+
+def test_compile_patched_model():
+    model = apply_moe_ops(make_model("mixtral"))
+    ids = input_ids()
+    with torch.no_grad():
+        ref = model(ids).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        out = compiled(ids).logits
+    assert rel_err(out, ref) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: bf16 on CUDA, Triton kernels
+
+BF16_TOL = 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_bf16_logits(name):
+    model = make_model(name, dtype=torch.bfloat16, device="cuda")
+    ids = input_ids(device="cuda")
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        apply_moe_ops(model)
+        out = model(ids).logits.float()
+        revert_moe_ops(model)
+        model.set_experts_implementation("moe_ops")
+        via_interface = model(ids).logits.float()
+    assert rel_err(out, ref) < BF16_TOL
+    assert rel_err(via_interface, ref) < BF16_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_bf16_training_step(name):
+    ref_model = make_model(name, dtype=torch.bfloat16, device="cuda").train()
+    model = apply_moe_ops(copy.deepcopy(ref_model))
+    ids = input_ids(device="cuda")
+    out = model(ids, labels=ids)
+    ref = ref_model(ids, labels=ids)
+    out.loss.backward()
+    ref.loss.backward()
+    assert rel_err(out.loss.float(), ref.loss.float()) < BF16_TOL
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        if q.grad is None:
+            continue
+        assert p.grad is not None, n
+        assert rel_err(p.grad.float(), q.grad.float()) < 5e-2, n
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_generate():
+    """Greedy tokens of a bf16 model: ties may flip a late token, so the first tokens must agree."""
+    model = make_model("mixtral", dtype=torch.bfloat16, device="cuda")
+    ids = input_ids(batch=1, seq=5, device="cuda")
+    kw = dict(max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    ref = model.generate(ids, **kw)
+    apply_moe_ops(model)
+    out = model.generate(ids, **kw)
+    assert torch.equal(out[:, : ids.shape[1] + 1], ref[:, : ids.shape[1] + 1])
+
+
+@pytest.mark.gpu
+def test_gpu_compile_patched_model():
+    model = apply_moe_ops(make_model("qwen3_moe", dtype=torch.bfloat16, device="cuda"))
+    ids = input_ids(device="cuda")
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        torch._dynamo.reset()
+        out = torch.compile(model, fullgraph=True)(ids).logits.float()
+    assert rel_err(out, ref) < BF16_TOL

@@ -618,10 +618,10 @@ def main(argv=None) -> int:
     for k, v in env:
         log(f"{k:13s} {v}")
     if device.type != "cuda":
-        log("note         no CUDA: timing with time.perf_counter, no CUDA-graph timing; moe_ops runs "
+        log(f"{'note':13s} no CUDA: timing with time.perf_counter, no CUDA-graph timing; moe_ops runs "
             "its CPU path (torch reference, or the Triton interpreter with TRITON_INTERPRET=1)")
         if not opts.tiny:
-            log("warning      full-size shapes on CPU are very slow; --tiny is the CPU smoke test")
+            log(f"{'warning':13s} full-size shapes on CPU are very slow; --tiny is the CPU smoke test")
     timer = Timer(device, opts.warmup_ms, opts.rep_ms)
     bw, rate, ceil_desc = measure_ceilings(device, timer, opts.tiny)
     env.append(("ceilings", ceil_desc))

@@ -130,3 +130,77 @@ def combine_kernel(
         acc += y.to(tl.float32)
     tl.store(out_ptr + toks[:, None] * stride_ot + offs_h[None, :] * stride_oh,
              acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & h_mask[None, :])
+
+
+@triton.jit
+def gate_up_gemv_kernel(
+    x_ptr, w_ptr, act_ptr, ids_ptr,
+    E, H, I, top_k,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_it, stride_ik, stride_am,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Decode path (few slots): one program per (slot, N tile), no alignment. Matrix-vector
+    products on CUDA cores: at a handful of rows the tensor cores would idle anyway, and the
+    kernel streams each hit expert's weight tile once."""
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    t = slot // top_k
+    k = slot % top_k
+    e = tl.load(ids_ptr + t.to(tl.int64) * stride_it + k * stride_ik).to(tl.int64)
+    if (e < 0) | (e >= E):
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + t.to(tl.int64) * stride_xt
+    wg = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
+    wu = wg + I * stride_wn
+    acc_g = tl.zeros((BLOCK_N,), tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = offs_k < H - k0
+        x = tl.load(x_row + (k0 + offs_k) * stride_xh, mask=k_mask, other=0.0).to(tl.float32)
+        m = n_mask[:, None] & k_mask[None, :]
+        g = tl.load(wg, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(wu, mask=m, other=0.0).to(tl.float32)
+        acc_g += tl.sum(g * x[None, :], axis=1)
+        acc_u += tl.sum(u * x[None, :], axis=1)
+        wg += BLOCK_K * stride_wk
+        wu += BLOCK_K * stride_wk
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(act_ptr + slot.to(tl.int64) * stride_am + offs_n, act.to(act_ptr.dtype.element_ty),
+             mask=n_mask)
+
+
+@triton.jit
+def down_gemv_combine_kernel(
+    act_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr,
+    E, H, I, top_k,
+    stride_am, stride_we, stride_wn, stride_wk, stride_it, stride_ik, stride_tw_t, stride_tw_k,
+    stride_ot, stride_oh,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Decode path: out[t, N tile] = sum over k (in order) of weight * act[slot] @ w2[e].T, the
+    combine fused in registers: no per-slot buffer, no atomics, deterministic."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    out = tl.zeros((BLOCK_N,), tl.float32)
+    for k in range(top_k):
+        e = tl.load(ids_ptr + t * stride_it + k * stride_ik).to(tl.int64)
+        if (e >= 0) & (e < E):
+            tw = tl.load(weights_ptr + t * stride_tw_t + k * stride_tw_k).to(tl.float32)
+            a_row = act_ptr + (t * top_k + k) * stride_am
+            b = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
+            acc = tl.zeros((BLOCK_N,), tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                k_mask = offs_k < I - k0
+                a = tl.load(a_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+                w = tl.load(b, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(w * a[None, :], axis=1)
+                b += BLOCK_K * stride_wk
+            out += tw * acc
+    tl.store(out_ptr + t * stride_ot + offs_n * stride_oh, out.to(out_ptr.dtype.element_ty),
+             mask=n_mask)

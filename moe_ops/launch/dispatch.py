@@ -6,8 +6,7 @@ import torch
 import triton
 
 from moe_ops._runtime import kernel_for
-from moe_ops.kernels.expert_gemm import (combine_kernel, down_gemv_combine_kernel, down_kernel,
-                                        gate_up_gemv_kernel, gate_up_kernel)
+from moe_ops.kernels.expert_gemm import combine_kernel, down_kernel, gate_up_kernel
 from moe_ops.launch.alignment import align_triton
 from moe_ops.tuning.heuristics import dispatch_config
 
@@ -29,8 +28,6 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     if T == 0:
         return out
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, hidden.dtype)
-    if cfg.direct:
-        return _dispatch_direct(hidden, w13, w2, topk_weights, topk_ids, cfg, out)
     al = align_triton(topk_ids, E, cfg.block_m)
     n_slots = T * K
     n_blocks = al.max_rows // cfg.block_m
@@ -61,30 +58,5 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
         y, topk_ids, out, T, H, E, K,
         topk_ids.stride(0), topk_ids.stride(1), y.stride(0), out.stride(0), out.stride(1),
         BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
-    )
-    return out
-
-
-def _dispatch_direct(hidden, w13, w2, topk_weights, topk_ids, cfg, out):
-    """Few slots (decode): no alignment, two launches, combine fused into the down product."""
-    T, H = hidden.shape
-    E, I = w2.shape[0], w2.shape[2]
-    K = topk_ids.shape[1]
-    dev = hidden.device
-    act = torch.empty(T * K, I, dtype=hidden.dtype, device=dev)
-    kernel_for(gate_up_gemv_kernel, dev)[(triton.cdiv(I, cfg.block_n1), T * K)](
-        hidden, w13, act, topk_ids, E, H, I, K,
-        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        topk_ids.stride(0), topk_ids.stride(1), act.stride(0),
-        BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    kernel_for(down_gemv_combine_kernel, dev)[(triton.cdiv(H, cfg.block_n2), T)](
-        act, w2, topk_weights, topk_ids, out, E, H, I, K,
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
-        topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1),
-        out.stride(0), out.stride(1),
-        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
     )
     return out

@@ -17,12 +17,6 @@ class DispatchConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8   # row blocks that walk the N tiles together (L2 reuse)
-    direct: bool = False   # decode path: no alignment, matrix-vector kernels, fused combine
-
-
-def direct_config(block_n1=32, block_k1=128, block_n2=16, block_k2=256, num_warps=4, num_stages=3):
-    return DispatchConfig(16, block_n1, block_k1, block_n2, block_k2, num_warps, num_stages,
-                          direct=True)
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,

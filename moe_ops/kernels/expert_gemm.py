@@ -36,25 +36,27 @@ def gate_up_kernel(
     slots = tl.load(sorted_ptr + rows)
     row_valid = slots < n_slots
     tok = (slots // top_k).to(tl.int64)
+    # One [BLOCK_K, 2*BLOCK_N] weight tile per step: gate columns n0..n0+BN, then the matching up
+    # columns I+n0..: a single N=2*BLOCK_N product (wgmma's widest shape) instead of two.
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
+    cols = tl.arange(0, 2 * BLOCK_N)
+    is_up = cols >= BLOCK_N
+    w_rows = pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N + I, cols)
+    w_mask = (pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N, cols)) < I
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-    wg_ptrs = (w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-               + offs_k[:, None] * stride_wk)
-    wu_ptrs = wg_ptrs + I * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    w_ptrs = (w_ptr + e * stride_we + w_rows[None, :].to(tl.int64) * stride_wn
+              + offs_k[:, None] * stride_wk)
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-        bg = tl.load(wg_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        bu = tl.load(wu_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & w_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_xh
-        wg_ptrs += BLOCK_K * stride_wk
-        wu_ptrs += BLOCK_K * stride_wk
+        w_ptrs += BLOCK_K * stride_wk
+    acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     rows64 = rows.to(tl.int64)
     tl.store(act_ptr + rows64[:, None] * stride_am + offs_n[None, :],

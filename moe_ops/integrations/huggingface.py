@@ -105,7 +105,8 @@ def check_experts_layout(experts: torch.nn.Module, where: str | None = None) -> 
         problems.append(f"activation {type(act).__name__} (only SiLU, i.e. SwiGLU experts)")
     if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor):
         if w13.dim() != 3 or w2.dim() != 3:
-            problems.append(f"weights of rank {w13.dim()}/{w2.dim()} (expected 3-D gate_up_proj and down_proj)")
+            problems.append(
+                f"weights of rank {w13.dim()}/{w2.dim()} (expected 3-D gate_up_proj and down_proj)")
         elif not (w13.shape[0] == w2.shape[0] and w13.shape[1] == 2 * w2.shape[2]
                   and w13.shape[2] == w2.shape[1]):
             problems.append(

@@ -1,7 +1,7 @@
 """Alignment: token slots sorted by expert into blocks of BLOCK_M rows, on the GPU, no atomics.
 
-Three launches over P programs (each owning a contiguous span of slots, walked in CHUNK pieces):
-count (per-program expert histogram), scan (one program: prefix sums -> per-expert padded starts,
+One launch (align_small_kernel) when all slots fit one tile; otherwise three launches over P
+programs (each owning a contiguous span of slots, walked in CHUNK pieces): count (per-program expert histogram), scan (one program: prefix sums -> per-expert padded starts,
 per-program bases, block -> expert table, padding sentinels, the padded row count), scatter
 (each slot's row = its program's base for its expert + its rank among earlier slots of that expert
 in the span). Ranks come from a one-hot cumulative sum, so the order within an expert is the slot
@@ -43,6 +43,18 @@ def scan_kernel(counts_ptr, bases_ptr, sorted_ptr, block_expert_ptr, num_rows_pt
     starts = ends - padded
     bases = starts[None, :] + tl.cumsum(counts, axis=0) - counts
     tl.store(bases_ptr + progs[:, None] * BLOCK_E + experts[None, :], bases, mask=pmask[:, None])
+    _write_layout(totals, padded, ends, sorted_ptr, block_expert_ptr, num_rows_ptr, n_slots,
+                  n_blocks, E, BLOCK_M, BLOCK_E, BLOCK_B)
+
+
+@triton.jit
+def _write_layout(totals, padded, ends, sorted_ptr, block_expert_ptr, num_rows_ptr, n_slots,
+                  n_blocks, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_B: tl.constexpr):
+    """Padding sentinels, the block -> expert table and the padded row count, from per-expert
+    totals, padded totals and padded ends (inclusive prefix sums)."""
+    experts = tl.arange(0, BLOCK_E)
+    starts = ends - padded
     num_rows = tl.sum(padded, axis=0)
     tl.store(num_rows_ptr, num_rows)
     # Padding rows of each expert get the sentinel n_slots.
@@ -58,6 +70,28 @@ def scan_kernel(counts_ptr, bases_ptr, sorted_ptr, block_expert_ptr, num_rows_pt
         e = tl.sum((ends_valid[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
         e = tl.where(first_row < num_rows, e, -1)
         tl.store(block_expert_ptr + blocks, e, mask=blocks < n_blocks)
+
+
+@triton.jit
+def align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, n_slots, n_blocks, E,
+                       BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_B: tl.constexpr):
+    """All of the alignment in one program when every slot fits one [CHUNK, E] tile (decode):
+    one launch instead of three."""
+    experts = tl.arange(0, BLOCK_E)
+    offs = tl.arange(0, CHUNK)
+    m = offs < n_slots
+    ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
+    valid = m & (ids >= 0) & (ids < E)
+    onehot = ((ids[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)
+    totals = tl.sum(onehot, axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    rank = tl.cumsum(onehot, axis=0) - onehot
+    row = tl.sum((rank + (ends - padded)[None, :]) * onehot, axis=1)
+    tl.store(sorted_ptr + row, offs, mask=valid)
+    _write_layout(totals, padded, ends, sorted_ptr, block_expert_ptr, num_rows_ptr, n_slots,
+                  n_blocks, E, BLOCK_M, BLOCK_E, BLOCK_B)
 
 
 @triton.jit

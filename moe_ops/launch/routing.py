@@ -20,7 +20,9 @@ def route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups, t
     if T == 0:
         return weights, ids
     block_e = triton.next_power_of_2(E)
-    block_t = max(1, min(64, 4096 // block_e))
+    # Decode sizes get a tile of just their rows and one warp: the top-k loop is a chain of
+    # row reductions, and within one warp they need no shared-memory round trips.
+    block_t = max(1, min(64, 4096 // block_e, triton.next_power_of_2(T)))
     grid = (triton.cdiv(T, block_t),)
     kernel_for(route_kernel, dev)[grid](
         router_logits, bias if bias is not None else router_logits, weights, ids,
@@ -30,6 +32,6 @@ def route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups, t
         GROUPED=num_groups > 1,
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(num_groups),
         BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=4,
+        num_warps=1 if block_t * block_e <= 1024 else 4,
     )
     return weights, ids

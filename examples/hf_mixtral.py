@@ -11,10 +11,13 @@ for `apply_moe_ops` (moe.route router and moe.dispatch experts).
     python examples/hf_mixtral.py                      # CUDA if available, else CPU (tiny model)
     python examples/hf_mixtral.py --device cpu --new-tokens 16
     python examples/hf_mixtral.py --device cuda --batch 8 --prompt-len 1024
+    python examples/hf_mixtral.py --device cuda --compile   # decode through CUDA graphs
 
 Prefill: one forward over `--batch` prompts of `--prompt-len` tokens. Decode: `generate` steps
-after the first new token (timestamped by a streamer), tokens of the whole batch per second. Eager
-decoding with a dynamic cache (no CUDA graphs): per-token host overheads are part of the numbers.
+after the first new token (timestamped by a streamer), tokens of the whole batch per second. By
+default decoding is eager with a dynamic cache: at batch 1 per-token host overheads (Python, kernel
+launches) dominate the numbers. `--compile` decodes with a static cache, which transformers'
+generate compiles with CUDA graphs (prefill stays eager).
 """
 from __future__ import annotations
 
@@ -90,21 +93,24 @@ class _TokenClock:
         pass
 
 
-def generate(model, ids, new_tokens, streamer=None):
+def generate(model, ids, new_tokens, streamer=None, static=False):
+    kw = dict(cache_implementation="static") if static else {}
     return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                          pad_token_id=model.config.pad_token_id, streamer=streamer)
+                          pad_token_id=model.config.pad_token_id, streamer=streamer, **kw)
 
 
-def measure(model, ids, new_tokens, device, repeats):
+def measure(model, ids, new_tokens, device, repeats, static=False):
     """(prefill tokens/s, decode tokens/s, generated tokens)."""
     batch, prompt = ids.shape
     with torch.no_grad():
         t_prefill = timed(lambda: model(ids, use_cache=True), device, repeats)
-        tokens = generate(model, ids, new_tokens)  # warm-up, and the tokens compared
+        # warm-up (and compilation with --compile), then the tokens compared
+        generate(model, ids, new_tokens, static=static)
+        tokens = generate(model, ids, new_tokens, static=static)
         decode = []
         for _ in range(repeats):
             clock = _TokenClock(device)
-            generate(model, ids, new_tokens, streamer=clock)
+            generate(model, ids, new_tokens, streamer=clock, static=static)
             # times[1]: first new token (after prefill); times[-1]: last new token.
             decode.append((clock.times[-1] - clock.times[1]) / (len(clock.times) - 2))
     return batch * prompt / t_prefill, batch / statistics.median(decode), tokens
@@ -121,7 +127,10 @@ def main():
                         help="prompt tokens (default: 512 on CUDA, 32 on CPU)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 2)")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="timed runs per measurement, median reported (default: 3)")
+                        help="timed runs per measurement, median reported (default: 5 on CUDA, 3 on CPU)")
+    parser.add_argument("--compile", action="store_true",
+                        help="decode with a static cache, which transformers' generate compiles "
+                             "(torch.compile, CUDA graphs) on CUDA; prefill stays eager")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -131,7 +140,7 @@ def main():
     if new_tokens < 2:
         parser.error("--new-tokens must be at least 2 (decode speed is measured past the first token)")
     prompt_len = args.prompt_len or (512 if device == "cuda" else 32)
-    repeats = args.repeats or 3
+    repeats = args.repeats or (5 if device == "cuda" else 3)
 
     import transformers
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -145,7 +154,8 @@ def main():
           f"{cfg.hidden_size}, intermediate {cfg.intermediate_size}, {cfg.num_local_experts} experts "
           f"top-{cfg.num_experts_per_tok}, {n_params / 1e6:,.1f}M parameters, {model.dtype}")
     print(f"batch {args.batch}, prompt {prompt_len} tokens, {new_tokens} new tokens, median of "
-          f"{repeats} runs\n")
+          f"{repeats} runs, decode with a " + ("static cache, compiled" if args.compile
+                                               else "dynamic cache, eager") + "\n")
     g = torch.Generator().manual_seed(args.seed + 1)
     ids = torch.randint(3, cfg.vocab_size, (args.batch, prompt_len), generator=g).to(device)
 
@@ -156,10 +166,13 @@ def main():
         try:
             with torch.no_grad():
                 logits = model(ids).logits[:, -1].float()
-            prefill, decode, tokens = measure(model, ids, new_tokens, device, repeats)
+            prefill, decode, tokens = measure(model, ids, new_tokens, device, repeats, args.compile)
         finally:
             if teardown is not None:
                 teardown()
+            if args.compile:  # the next implementation gets a fresh compiled decode step
+                model.__dict__.pop("_compiled_call", None)
+                torch._dynamo.reset()
         results.append((name, prefill, decode, tokens, logits))
         print(f"  {name:<34} prefill {prefill:>10.1f} tok/s   decode {decode:>8.1f} tok/s")
 
@@ -196,6 +209,9 @@ def main():
         gm = tps['transformers "grouped_mm"']
         print(f'apply_moe_ops vs transformers "grouped_mm": prefill x{moe[0] / gm[0]:.2f}, '
               f"decode x{moe[1] / gm[1]:.2f}")
+    if device == "cpu":
+        print("(CPU: a tiny model running the ops' torch reference; the speeds are a smoke test, "
+              "not a benchmark)")
     if not ok:
         raise SystemExit("moe_ops generated different tokens from the unpatched float32 model")
 

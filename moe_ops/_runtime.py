@@ -68,6 +68,48 @@ def kernel_for(kernel, device: torch.device):
     CUDA, its interpreted form on CPU."""
     if device.type != "cpu":
         return kernel
+    if kernel.fn not in _launchers and kernel.fn.__name__ != "_probe":
+        require_interpreter()
     if kernel.fn not in _launchers:
         _launchers[kernel.fn] = _Interpreted(kernel.fn)
     return _launchers[kernel.fn]
+
+
+_interpreter_ok: bool | None = None
+
+
+def interpreter_works() -> bool:
+    """Whether this Triton's interpreter can run our kernels. Triton 3.6's interpreter with
+    numpy >= 2.3 cannot run a loop bounded by a runtime scalar (int() of a 1-element array
+    raises); triton 3.9 can. Probed once with a one-program kernel."""
+    global _interpreter_ok
+    if _interpreter_ok is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _probe(x_ptr, n, B: tl.constexpr):
+            acc = tl.zeros((B,), tl.float32)
+            for i in range(0, n, B):
+                acc += tl.load(x_ptr + i + tl.arange(0, B))
+            tl.store(x_ptr + tl.arange(0, B), acc)
+
+        x = torch.ones(8)
+        try:
+            kernel_for(_probe, torch.device("cpu"))[(1,)](x, 8, B=4)
+            _interpreter_ok = bool(torch.equal(x[:4], torch.full((4,), 2.0)))
+        except Exception:  # noqa: BLE001 - any failure means "not usable here"
+            _interpreter_ok = False
+    return _interpreter_ok
+
+
+def require_interpreter():
+    if not interpreter_works():
+        import numpy
+        import triton
+
+        raise RuntimeError(
+            f"TRITON_INTERPRET=1 is set but the Triton interpreter of triton {triton.__version__} "
+            f"with numpy {numpy.__version__} cannot run moe_ops' kernels (loops bounded by runtime "
+            "scalars fail); use triton >= 3.9, or unset TRITON_INTERPRET to run the PyTorch "
+            "reference on CPU")

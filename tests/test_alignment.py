@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import needs_interpreter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -45,6 +47,7 @@ def test_alignment_many_programs(interpreter):
     _check(ids, 8, 128)
 
 
+@needs_interpreter
 @settings(max_examples=40, deadline=None)
 @given(T=st.integers(0, 90), E=st.integers(1, 70), block_m=st.sampled_from([16, 32, 128]),
        data=st.data())
@@ -64,6 +67,7 @@ def test_alignment_hypothesis(T, E, block_m, data):
             os.environ["TRITON_INTERPRET"] = old
 
 
+@needs_interpreter
 def test_interpreter_set_before_import():
     """TRITON_INTERPRET=1 set before triton is imported (Triton's own convention) works too."""
     code = (

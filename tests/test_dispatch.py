@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import RTOL, rel_err
+from conftest import needs_interpreter, RTOL, rel_err
 from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.ops.samples import dispatch_samples, make_dispatch_inputs
 from moe_ops.reference import dispatch_reference
@@ -87,6 +87,7 @@ def test_reference_hypothesis(T, H, I, E, routing, data):
         _restore_env("TRITON_INTERPRET", old)
 
 
+@needs_interpreter
 @settings(max_examples=20, deadline=None)
 @given(T=st.integers(0, 70), H=st.integers(1, 40), I=st.integers(1, 40), E=st.integers(1, 64),
        routing=st.sampled_from(ROUTINGS), dtype=st.sampled_from([torch.float32, torch.float16]),

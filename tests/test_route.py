@@ -1,6 +1,8 @@
 """moe.route: parity with the float64 reference, interpreter kernels, gradients, errors, opcheck."""
 import pytest
 import torch
+
+from conftest import needs_interpreter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,6 +46,7 @@ def test_interpreter(interpreter, T, E, K, kw, with_bias):
     _check(T, E, K, kw, torch.Generator().manual_seed(T * 31 + E + 1), with_bias)
 
 
+@needs_interpreter
 @settings(max_examples=25, deadline=None)
 @given(T=st.integers(0, 40), E=st.integers(1, 64), data=st.data())
 def test_interpreter_hypothesis(T, E, data):

@@ -1,6 +1,6 @@
 """Alignment: token slots sorted by expert into blocks of BLOCK_M rows, on the GPU, no atomics.
 
-One launch (align_small_kernel) when all slots fit one tile; otherwise three launches over P
+One launch (scan_kernel, FUSED) when all slots fit one tile; otherwise three launches over P
 programs (each owning a contiguous span of slots, walked in CHUNK pieces): count (per-program expert histogram), scan (one program: prefix sums -> per-expert padded starts,
 per-program bases, block -> expert table, padding sentinels, the padded row count), scatter
 (each slot's row = its program's base for its expert + its rank among earlier slots of that expert
@@ -28,33 +28,38 @@ def count_kernel(ids_ptr, counts_ptr, n_slots, span, E,
 
 
 @triton.jit
-def scan_kernel(counts_ptr, bases_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+def scan_kernel(ids_ptr, counts_ptr, bases_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
                 n_programs, n_slots, n_blocks, E,
                 BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_B: tl.constexpr):
-    progs = tl.arange(0, BLOCK_P)
+                BLOCK_B: tl.constexpr, FUSED: tl.constexpr):
+    """FUSED (every slot fits one [BLOCK_P, E] tile, decode sizes): the whole alignment in this
+    one launch, slots read from ids_ptr. Otherwise: prefix sums over the count pass's
+    [n_programs, E] histogram, writing each program's per-expert bases for the scatter pass."""
     experts = tl.arange(0, BLOCK_E)
-    pmask = progs < n_programs
-    counts = tl.load(counts_ptr + progs[:, None] * BLOCK_E + experts[None, :],
-                     mask=pmask[:, None], other=0)
-    totals = tl.sum(counts, axis=0)
+    if FUSED:
+        offs = tl.arange(0, BLOCK_P)
+        m = offs < n_slots
+        ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
+        valid = m & (ids >= 0) & (ids < E)
+        onehot = ((ids[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)
+        totals = tl.sum(onehot, axis=0)
+    else:
+        progs = tl.arange(0, BLOCK_P)
+        pmask = progs < n_programs
+        counts = tl.load(counts_ptr + progs[:, None] * BLOCK_E + experts[None, :],
+                         mask=pmask[:, None], other=0)
+        totals = tl.sum(counts, axis=0)
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
-    bases = starts[None, :] + tl.cumsum(counts, axis=0) - counts
-    tl.store(bases_ptr + progs[:, None] * BLOCK_E + experts[None, :], bases, mask=pmask[:, None])
-    _write_layout(totals, padded, ends, sorted_ptr, block_expert_ptr, num_rows_ptr, n_slots,
-                  n_blocks, E, BLOCK_M, BLOCK_E, BLOCK_B)
-
-
-@triton.jit
-def _write_layout(totals, padded, ends, sorted_ptr, block_expert_ptr, num_rows_ptr, n_slots,
-                  n_blocks, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_B: tl.constexpr):
-    """Padding sentinels, the block -> expert table and the padded row count, from per-expert
-    totals, padded totals and padded ends (inclusive prefix sums)."""
-    experts = tl.arange(0, BLOCK_E)
-    starts = ends - padded
+    if FUSED:
+        rank = tl.cumsum(onehot, axis=0) - onehot
+        row = tl.sum((rank + starts[None, :]) * onehot, axis=1)
+        tl.store(sorted_ptr + row, offs, mask=valid)
+    else:
+        bases = starts[None, :] + tl.cumsum(counts, axis=0) - counts
+        tl.store(bases_ptr + progs[:, None] * BLOCK_E + experts[None, :], bases,
+                 mask=pmask[:, None])
     num_rows = tl.sum(padded, axis=0)
     tl.store(num_rows_ptr, num_rows)
     # Padding rows of each expert get the sentinel n_slots.
@@ -70,28 +75,6 @@ def _write_layout(totals, padded, ends, sorted_ptr, block_expert_ptr, num_rows_p
         e = tl.sum((ends_valid[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
         e = tl.where(first_row < num_rows, e, -1)
         tl.store(block_expert_ptr + blocks, e, mask=blocks < n_blocks)
-
-
-@triton.jit
-def align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, n_slots, n_blocks, E,
-                       BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
-                       BLOCK_B: tl.constexpr):
-    """All of the alignment in one program when every slot fits one [CHUNK, E] tile (decode):
-    one launch instead of three."""
-    experts = tl.arange(0, BLOCK_E)
-    offs = tl.arange(0, CHUNK)
-    m = offs < n_slots
-    ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
-    valid = m & (ids >= 0) & (ids < E)
-    onehot = ((ids[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)
-    totals = tl.sum(onehot, axis=0)
-    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    rank = tl.cumsum(onehot, axis=0) - onehot
-    row = tl.sum((rank + (ends - padded)[None, :]) * onehot, axis=1)
-    tl.store(sorted_ptr + row, offs, mask=valid)
-    _write_layout(totals, padded, ends, sorted_ptr, block_expert_ptr, num_rows_ptr, n_slots,
-                  n_blocks, E, BLOCK_M, BLOCK_E, BLOCK_B)
 
 
 @triton.jit

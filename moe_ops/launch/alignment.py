@@ -7,7 +7,7 @@ import torch
 import triton
 
 from moe_ops._runtime import kernel_for
-from moe_ops.kernels.alignment import align_small_kernel, count_kernel, scan_kernel, scatter_kernel
+from moe_ops.kernels.alignment import count_kernel, scan_kernel, scatter_kernel
 from moe_ops.reference.alignment import max_padded_rows
 
 # Count/scatter programs walk their span in [CHUNK, E] one-hot tiles of about TILE_ELEMS
@@ -48,20 +48,20 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
     block_b = max(16, min(256, 8192 // block_e))
-    if n_programs == 1:
-        kernel_for(align_small_kernel, dev)[(1,)](
-            ids, sorted_slots, block_expert, num_rows, n_slots, n_blocks, num_experts,
-            BLOCK_M=block_m, CHUNK=triton.next_power_of_2(n_slots), BLOCK_E=block_e,
-            BLOCK_B=block_b, num_warps=4)
+    if n_programs == 1:   # decode sizes: one launch
+        kernel_for(scan_kernel, dev)[(1,)](
+            ids, ids, ids, sorted_slots, block_expert, num_rows, 1, n_slots, n_blocks,
+            num_experts, BLOCK_M=block_m, BLOCK_P=triton.next_power_of_2(n_slots),
+            BLOCK_E=block_e, BLOCK_B=block_b, FUSED=True, num_warps=4)
         return Alignment(sorted_slots, block_expert, num_rows, block_m)
     counts = torch.empty(n_programs, block_e, dtype=torch.int32, device=dev)
     bases = torch.empty_like(counts)
     kernel_for(count_kernel, dev)[(n_programs,)](
         ids, counts, n_slots, span, num_experts, CHUNK=chunk, BLOCK_E=block_e)
     kernel_for(scan_kernel, dev)[(1,)](
-        counts, bases, sorted_slots, block_expert, num_rows, n_programs, n_slots, n_blocks,
+        ids, counts, bases, sorted_slots, block_expert, num_rows, n_programs, n_slots, n_blocks,
         num_experts, BLOCK_M=block_m, BLOCK_P=triton.next_power_of_2(n_programs),
-        BLOCK_E=block_e, BLOCK_B=block_b, num_warps=4)
+        BLOCK_E=block_e, BLOCK_B=block_b, FUSED=False, num_warps=4)
     kernel_for(scatter_kernel, dev)[(n_programs,)](
         ids, bases, sorted_slots, n_slots, span, num_experts, CHUNK=chunk, BLOCK_E=block_e)
     return Alignment(sorted_slots, block_expert, num_rows, block_m)

@@ -25,6 +25,9 @@ def _check(ids, E, block_m):
     assert al.max_rows == max_padded_rows(ids.numel(), E, block_m) >= n
     assert torch.equal(al.sorted_slots[:n], s_ref[:n])
     assert torch.equal(al.block_expert, b_ref)
+    counts = torch.bincount(ids.reshape(-1).long().clamp(-1, E).add(1), minlength=E + 2)[1:E + 1]
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert torch.equal(al.expert_ends.long(), padded.cumsum(0))
     # every valid slot appears exactly once; padding is the sentinel
     flat = ids.reshape(-1).long()
     valid = ((flat >= 0) & (flat < E)).nonzero().flatten()

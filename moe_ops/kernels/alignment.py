@@ -29,7 +29,7 @@ def count_kernel(ids_ptr, counts_ptr, n_slots, span, E,
 
 @triton.jit
 def scan_kernel(ids_ptr, counts_ptr, bases_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
-                n_programs, n_slots, n_blocks, E,
+                expert_ends_ptr, n_programs, n_slots, n_blocks, E,
                 BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
                 BLOCK_B: tl.constexpr, FUSED: tl.constexpr):
     """FUSED (every slot fits one [BLOCK_P, E] tile, decode sizes): the whole alignment in this
@@ -52,6 +52,7 @@ def scan_kernel(ids_ptr, counts_ptr, bases_ptr, sorted_ptr, block_expert_ptr, nu
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
+    tl.store(expert_ends_ptr + experts, ends, mask=experts < E)
     if FUSED:
         rank = tl.cumsum(onehot, axis=0) - onehot
         row = tl.sum((rank + starts[None, :]) * onehot, axis=1)

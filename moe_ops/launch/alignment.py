@@ -21,6 +21,7 @@ class Alignment:
     sorted_slots: torch.Tensor   # int32 [max_rows]
     block_expert: torch.Tensor   # int32 [max_rows // block_m]
     num_rows: torch.Tensor       # int32 [1], device side
+    expert_ends: torch.Tensor    # int32 [E]: end of each expert's padded rows (start = previous end)
     block_m: int
 
     @property
@@ -38,7 +39,8 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
     n_blocks = max_rows // block_m
     if n_slots == 0:
         empty = torch.empty(0, dtype=torch.int32, device=dev)
-        return Alignment(empty, empty, torch.zeros(1, dtype=torch.int32, device=dev), block_m)
+        return Alignment(empty, empty, torch.zeros(1, dtype=torch.int32, device=dev),
+                         torch.zeros(num_experts, dtype=torch.int32, device=dev), block_m)
     block_e = triton.next_power_of_2(num_experts)
     chunk = max(16, min(1024, TILE_ELEMS // block_e))
     n_programs = max(1, min(128, SCAN_ELEMS // block_e, triton.cdiv(n_slots, chunk)))
@@ -47,21 +49,22 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
     sorted_slots = torch.empty(max_rows, dtype=torch.int32, device=dev)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    expert_ends = torch.empty(num_experts, dtype=torch.int32, device=dev)
     block_b = max(16, min(256, 8192 // block_e))
     if n_programs == 1:   # decode sizes: one launch
         kernel_for(scan_kernel, dev)[(1,)](
-            ids, ids, ids, sorted_slots, block_expert, num_rows, 1, n_slots, n_blocks,
+            ids, ids, ids, sorted_slots, block_expert, num_rows, expert_ends, 1, n_slots, n_blocks,
             num_experts, BLOCK_M=block_m, BLOCK_P=triton.next_power_of_2(n_slots),
             BLOCK_E=block_e, BLOCK_B=block_b, FUSED=True, num_warps=4)
-        return Alignment(sorted_slots, block_expert, num_rows, block_m)
+        return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m)
     counts = torch.empty(n_programs, block_e, dtype=torch.int32, device=dev)
     bases = torch.empty_like(counts)
     kernel_for(count_kernel, dev)[(n_programs,)](
         ids, counts, n_slots, span, num_experts, CHUNK=chunk, BLOCK_E=block_e)
     kernel_for(scan_kernel, dev)[(1,)](
-        ids, counts, bases, sorted_slots, block_expert, num_rows, n_programs, n_slots, n_blocks,
+        ids, counts, bases, sorted_slots, block_expert, num_rows, expert_ends, n_programs, n_slots, n_blocks,
         num_experts, BLOCK_M=block_m, BLOCK_P=triton.next_power_of_2(n_programs),
         BLOCK_E=block_e, BLOCK_B=block_b, FUSED=False, num_warps=4)
     kernel_for(scatter_kernel, dev)[(n_programs,)](
         ids, bases, sorted_slots, n_slots, span, num_experts, CHUNK=chunk, BLOCK_E=block_e)
-    return Alignment(sorted_slots, block_expert, num_rows, block_m)
+    return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m)

@@ -2,7 +2,8 @@
 
 gate_up_kernel: act[row] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T), gathering token rows
   through sorted_slots (no permuted copy of hidden); SwiGLU in float32 registers.
-down_kernel: y[slot] = topk_weight[slot] * (act[row] @ w2[e].T), written per slot (float32).
+down_kernel: y[slot] = topk_weight[slot] * (act[row] @ w2[e].T), written per slot (also the
+  backward's dx rows, dz[row] @ w13[e], with HAS_WEIGHTS=False).
 combine_kernel: out[t] = sum over k in order 0..K-1 of y[t*K + k] for valid ids: deterministic,
   no atomics.
 Row blocks at or past the device-side num_rows exit at once (the grid is sized from shapes)."""
@@ -70,7 +71,7 @@ def down_kernel(
     stride_am, stride_we, stride_wn, stride_wk, stride_tw_t, stride_tw_k, stride_ym,
     n_row_blocks, N,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr = True,
 ):
     # Grouped tile order: GROUP_M row blocks walk the N tiles together, so their weight tiles and
     # gathered rows are reused from L2 (inlined: kernels here call no other @triton.jit code).
@@ -104,9 +105,10 @@ def down_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wk
     slots64 = slots.to(tl.int64)
-    tw = tl.load(weights_ptr + (slots64 // top_k) * stride_tw_t + (slots64 % top_k) * stride_tw_k,
-                 mask=row_valid, other=0.0).to(tl.float32)
-    acc = acc * tw[:, None]
+    if HAS_WEIGHTS:
+        tw = tl.load(weights_ptr + (slots64 // top_k) * stride_tw_t + (slots64 % top_k) * stride_tw_k,
+                     mask=row_valid, other=0.0).to(tl.float32)
+        acc = acc * tw[:, None]
     tl.store(y_ptr + slots64[:, None] * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
 

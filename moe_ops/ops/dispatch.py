@@ -41,8 +41,11 @@ def _dispatch_fake(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
 
 @torch.library.register_kernel(DISPATCH_BACKWARD, ("cpu", "cuda"))
 def _dispatch_backward_impl(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
-    # Plain torch for now (expert by expert; syncs with the host on CUDA). Triton backward
-    # kernels are issue 6.
+    if use_triton(hidden) and hidden.dtype != torch.float64:
+        from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+
+        return dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids,
+                                        activation)
     return dispatch_backward_reference(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation)
 
 

@@ -1,0 +1,156 @@
+"""Backward of the expert computation over the forward's aligned rows (recomputed, not saved).
+
+For a row (slot t*K+k with expert e and routing weight s), z = [g | u] = W13_e x_t,
+a = silu(g) * u, out_t += s * W2_e a:
+  dA = dO_t W2_e                         (the gradient reaching s*a, [I])
+  ds = <dA, a>,  da = s * dA
+  dg = da * u * sig(g) * (1 + g (1 - sig(g))),  du = da * silu(g)
+  dW2_e  = sum_rows dO_t^T (s a)          dW13_e = sum_rows dz^T x_t
+  dx_t   = sum_k dz_tk W13_e
+act_grad_kernel: z and dA tiles for a [BLOCK_M, BLOCK_N] slice of I, the elementwise part in
+  float32 registers; writes dz (gate and up halves), s*a and per-tile partial sums of ds.
+Weight gradients: weight_grad_kernel, one program per (expert, output tile), walking that
+  expert's rows in order: float32 accumulation, no atomics, bitwise reproducible.
+dx: the forward's down_kernel shape of work (dz @ W13_e per row, per slot) then combine_kernel.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def act_grad_kernel(
+    x_ptr, go_ptr, w13_ptr, w2_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+    dz_ptr, sa_ptr, ds_part_ptr,
+    n_slots, H, I, top_k, n_row_blocks,
+    stride_xt, stride_xh, stride_gt, stride_gh,
+    stride_13e, stride_13n, stride_13k, stride_2e, stride_2h, stride_2i,
+    stride_tw_t, stride_tw_k, stride_dz, stride_sa, stride_dsp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(I, BLOCK_N)
+    per_group = GROUP_M * n_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(n_row_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    num_rows = tl.load(num_rows_ptr)
+    if pid_m * BLOCK_M >= num_rows:
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_ptr + rows)
+    row_valid = slots < n_slots
+    slots64 = slots.to(tl.int64)
+    tok = slots64 // top_k
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    # z = x W13_e^T for the gate and up columns of this tile (as in the forward)
+    cols = tl.arange(0, 2 * BLOCK_N)
+    is_up = cols >= BLOCK_N
+    w_rows = pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N + I, cols)
+    w_mask = (pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N, cols)) < I
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    w_ptrs = (w13_ptr + e * stride_13e + w_rows[None, :].to(tl.int64) * stride_13n
+              + offs_k[:, None] * stride_13k)
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = offs_k < H - k0
+        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & w_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_xh
+        w_ptrs += BLOCK_K * stride_13k
+    g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    # dA = dO W2_e[:, tile]
+    go_ptrs = go_ptr + tok[:, None] * stride_gt + offs_k[None, :] * stride_gh
+    w2_ptrs = (w2_ptr + e * stride_2e + offs_k[:, None].to(tl.int64) * stride_2h
+               + offs_n[None, :] * stride_2i)
+    dA = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = offs_k < H - k0
+        go = tl.load(go_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+        w2 = tl.load(w2_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        dA = tl.dot(go.to(w2.dtype), w2, dA, input_precision=DOT_PRECISION)
+        go_ptrs += BLOCK_K * stride_gh
+        w2_ptrs += BLOCK_K * stride_2h
+    s = tl.load(weights_ptr + tok * stride_tw_t + (slots64 % top_k) * stride_tw_k,
+                mask=row_valid, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    silu = g * sig
+    act = silu * u
+    ds_part = tl.sum(tl.where(n_mask[None, :], dA * act, 0.0), axis=1)
+    da = dA * s[:, None]
+    dg = da * u * sig * (1.0 + g * (1.0 - sig))
+    du = da * silu
+    rows64 = rows.to(tl.int64)
+    m2 = row_valid[:, None] & n_mask[None, :]
+    dz_ptrs = dz_ptr + rows64[:, None] * stride_dz + offs_n[None, :]
+    tl.store(dz_ptrs, dg.to(dz_ptr.dtype.element_ty), mask=m2)
+    tl.store(dz_ptrs + I, du.to(dz_ptr.dtype.element_ty), mask=m2)
+    tl.store(sa_ptr + rows64[:, None] * stride_sa + offs_n[None, :],
+             (act * s[:, None]).to(sa_ptr.dtype.element_ty), mask=m2)
+    tl.store(ds_part_ptr + rows64 * stride_dsp + pid_n, ds_part, mask=row_valid)
+
+
+@triton.jit
+def ds_kernel(ds_part_ptr, sorted_ptr, num_rows_ptr, dweights_ptr, n_slots, n_tiles, top_k,
+              stride_dsp, stride_dw_t, stride_dw_k,
+              BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+    """d topk_weights[slot] = sum of the row's per-tile partials, in tile order."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    num_rows = tl.load(num_rows_ptr)
+    in_range = rows < num_rows
+    slots = tl.load(sorted_ptr + rows, mask=in_range, other=n_slots)
+    valid = in_range & (slots < n_slots)
+    tiles = tl.arange(0, BLOCK_T)
+    part = tl.load(ds_part_ptr + rows.to(tl.int64)[:, None] * stride_dsp + tiles[None, :],
+                   mask=valid[:, None] & (tiles < n_tiles)[None, :], other=0.0)
+    ds = tl.sum(part, axis=1)
+    slots64 = slots.to(tl.int64)
+    tl.store(dweights_ptr + (slots64 // top_k) * stride_dw_t + (slots64 % top_k) * stride_dw_k,
+             ds.to(dweights_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def weight_grad_kernel(
+    l_ptr, r_ptr, out_ptr, sorted_ptr, expert_ends_ptr,
+    n_slots, top_k, M, N, E,
+    stride_lr, stride_lm, stride_rr, stride_rn, stride_oe, stride_om, stride_on,
+    GATHER_L: tl.constexpr, GATHER_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """out[e] = sum over expert e's rows of L[row]^T R[row] ([M, N]), rows walked in order.
+    GATHER_*: that operand is indexed by token (slot // top_k) instead of by aligned row."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(N, BLOCK_N)
+    e = pid // (n_m * n_n)
+    pid_m = (pid % (n_m * n_n)) // n_n
+    pid_n = pid % n_n
+    row_end = tl.load(expert_ends_ptr + e)
+    row_start = tl.load(expert_ends_ptr + e - 1, mask=e > 0, other=0)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for r0 in range(row_start, row_end, BLOCK_K):
+        rows = r0 + tl.arange(0, BLOCK_K)
+        in_range = rows < row_end
+        slots = tl.load(sorted_ptr + rows, mask=in_range, other=n_slots)
+        valid = in_range & (slots < n_slots)
+        tok = slots.to(tl.int64) // top_k
+        l_idx = tok if GATHER_L else rows.to(tl.int64)
+        r_idx = tok if GATHER_R else rows.to(tl.int64)
+        lt = tl.load(l_ptr + l_idx[None, :] * stride_lr + offs_m[:, None] * stride_lm,
+                     mask=valid[None, :] & m_mask[:, None], other=0.0)      # [BLOCK_M, BLOCK_K]
+        r = tl.load(r_ptr + r_idx[:, None] * stride_rr + offs_n[None, :] * stride_rn,
+                    mask=valid[:, None] & n_mask[None, :], other=0.0)       # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(lt.to(r.dtype), r, acc, input_precision=DOT_PRECISION)
+    tl.store(out_ptr + e.to(tl.int64) * stride_oe + offs_m[:, None].to(tl.int64) * stride_om
+             + offs_n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])

@@ -1,0 +1,94 @@
+"""Host side of the Triton backward of moe.dispatch (kernels: moe_ops.kernels.expert_gemm_backward).
+
+Nothing is saved by the forward beyond its inputs: the alignment and z = W13_e x are recomputed
+(one extra gate+up GEMM, ~1/3 of the forward flops), so the activation memory per token is zero.
+Scratch during backward, per aligned row: dz [2I] + s*a [I] in the input dtype, the per-slot dx
+[H] in the input dtype, and n_tiles float32 partials of ds."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from moe_ops._runtime import kernel_for
+from moe_ops.kernels.expert_gemm import combine_kernel, down_kernel
+from moe_ops.kernels.expert_gemm_backward import act_grad_kernel, ds_kernel, weight_grad_kernel
+from moe_ops.launch.alignment import align_triton
+from moe_ops.launch.dispatch import _dot_precision
+from moe_ops.tuning.heuristics import dispatch_config
+
+
+def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+    T, H = hidden.shape
+    E, I = w2.shape[0], w2.shape[2]
+    K = topk_ids.shape[1]
+    dev = hidden.device
+    dt = hidden.dtype
+    dx = torch.empty(T, H, dtype=dt, device=dev)
+    dw13 = torch.empty(w13.shape, dtype=w13.dtype, device=dev)
+    dw2 = torch.empty(w2.shape, dtype=w2.dtype, device=dev)
+    dweights = torch.zeros(topk_weights.shape, dtype=topk_weights.dtype, device=dev)
+    if T == 0:
+        return dx, dw13.zero_(), dw2.zero_(), dweights
+    cfg = dispatch_config(T, E, K, H, I, dev.type, dt)
+    bm = cfg.block_m
+    al = align_triton(topk_ids, E, bm)
+    n_slots = T * K
+    n_blocks = al.max_rows // bm
+    prec = _dot_precision(dt)
+    on_gpu = dev.type == "cuda"
+    bn = 64 if on_gpu else 32
+    bk = 64 if on_gpu else 32
+    warps = 4 if on_gpu else 1
+    n_tiles = triton.cdiv(I, bn)
+
+    dz = torch.empty(al.max_rows, 2 * I, dtype=dt, device=dev)
+    sa = torch.empty(al.max_rows, I, dtype=dt, device=dev)
+    ds_part = torch.empty(al.max_rows, n_tiles, dtype=torch.float32, device=dev)
+    kernel_for(act_grad_kernel, dev)[(n_blocks * n_tiles,)](
+        hidden, grad_out, w13, w2, topk_weights, al.sorted_slots, al.block_expert, al.num_rows,
+        dz, sa, ds_part,
+        n_slots, H, I, K, n_blocks,
+        hidden.stride(0), hidden.stride(1), grad_out.stride(0), grad_out.stride(1),
+        w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
+        topk_weights.stride(0), topk_weights.stride(1), dz.stride(0), sa.stride(0),
+        ds_part.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, DOT_PRECISION=prec, num_warps=warps,
+    )
+    block_r = 64
+    kernel_for(ds_kernel, dev)[(triton.cdiv(al.max_rows, block_r),)](
+        ds_part, al.sorted_slots, al.num_rows, dweights, n_slots, n_tiles, K, ds_part.stride(0),
+        dweights.stride(0), dweights.stride(1),
+        BLOCK_R=block_r, BLOCK_T=triton.next_power_of_2(n_tiles),
+    )
+
+    def weight_grad(left, right, out, gather_l, gather_r, M, N):
+        bm_w, bn_w, bk_w = (64, 64, 32) if on_gpu else (32, 32, 16)
+        kernel_for(weight_grad_kernel, dev)[(E * triton.cdiv(M, bm_w) * triton.cdiv(N, bn_w),)](
+            left, right, out, al.sorted_slots, al.expert_ends, n_slots, K, M, N, E,
+            left.stride(0), left.stride(1), right.stride(0), right.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            GATHER_L=gather_l, GATHER_R=gather_r, BLOCK_M=bm_w, BLOCK_N=bn_w, BLOCK_K=bk_w,
+            DOT_PRECISION=prec, num_warps=warps,
+        )
+
+    # dW2_e [H, I] = sum_rows dO[t]^T (s a)[row];  dW13_e [2I, H] = sum_rows dz[row]^T x[t]
+    weight_grad(grad_out, sa, dw2, True, False, H, I)
+    weight_grad(dz, hidden, dw13, False, True, 2 * I, H)
+
+    # dx: per-slot dz[row] @ W13_e ([2I] x [2I, H]), then the forward's deterministic combine.
+    dxs = torch.empty(n_slots, H, dtype=dt, device=dev)
+    kernel_for(down_kernel, dev)[(n_blocks * triton.cdiv(H, bn),)](
+        dz, w13, dxs, topk_weights, al.sorted_slots, al.block_expert, al.num_rows,
+        n_slots, H, 2 * I, K,
+        dz.stride(0), w13.stride(0), w13.stride(2), w13.stride(1),
+        topk_weights.stride(0), topk_weights.stride(1), dxs.stride(0), n_blocks, H,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, DOT_PRECISION=prec, HAS_WEIGHTS=False,
+        num_warps=warps,
+    )
+    block_h = min(1024, triton.next_power_of_2(H))
+    kernel_for(combine_kernel, dev)[(triton.cdiv(T, 4), triton.cdiv(H, block_h))](
+        dxs, topk_ids, dx, T, H, E, K,
+        topk_ids.stride(0), topk_ids.stride(1), dxs.stride(0), dx.stride(0), dx.stride(1),
+        BLOCK_T=4, BLOCK_H=block_h, num_warps=4,
+    )
+    return dx, dw13, dw2, dweights

@@ -38,7 +38,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     on_gpu = dev.type == "cuda"
     bn = 64 if on_gpu else 32
     bk = 64 if on_gpu else 32
-    warps = 4 if on_gpu else 1
+    warps = (8 if bm >= 128 else 4) if on_gpu else 1
     n_tiles = triton.cdiv(I, bn)
 
     dz = torch.empty(al.max_rows, 2 * I, dtype=dt, device=dev)

@@ -81,24 +81,34 @@ _interpreter_ok: bool | None = None
 def interpreter_works() -> bool:
     """Whether this Triton's interpreter can run our kernels. Triton 3.6's interpreter with
     numpy >= 2.3 cannot run a loop bounded by a runtime scalar (int() of a 1-element array
-    raises); triton 3.9 can. Probed once with a one-program kernel."""
+    raises), and a failed interpreted launch there leaves Triton unable to compile GPU kernels
+    for the rest of the process; triton 3.9 works. So the probe (a one-program kernel with such
+    a loop) runs once, in a child process."""
     global _interpreter_ok
     if _interpreter_ok is None:
-        import triton
-        import triton.language as tl
+        import subprocess
+        import sys
 
-        @triton.jit
-        def _probe(x_ptr, n, B: tl.constexpr):
-            acc = tl.zeros((B,), tl.float32)
-            for i in range(0, n, B):
-                acc += tl.load(x_ptr + i + tl.arange(0, B))
-            tl.store(x_ptr + tl.arange(0, B), acc)
-
-        x = torch.ones(8)
+        code = (
+            "import torch, triton, triton.language as tl\n"
+            "from moe_ops._runtime import kernel_for\n"
+            "@triton.jit\n"
+            "def _probe(x_ptr, n, B: tl.constexpr):\n"
+            "    acc = tl.zeros((B,), tl.float32)\n"
+            "    for i in range(0, n, B):\n"
+            "        acc += tl.load(x_ptr + i + tl.arange(0, B))\n"
+            "    tl.store(x_ptr + tl.arange(0, B), acc)\n"
+            "x = torch.ones(8)\n"
+            "kernel_for(_probe, torch.device('cpu'))[(1,)](x, 8, B=4)\n"
+            "assert torch.equal(x[:4], torch.full((4,), 2.0))\n")
+        env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
         try:
-            kernel_for(_probe, torch.device("cpu"))[(1,)](x, 8, B=4)
-            _interpreter_ok = bool(torch.equal(x[:4], torch.full((4,), 2.0)))
-        except Exception:  # noqa: BLE001 - any failure means "not usable here"
+            r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                               timeout=300)
+            _interpreter_ok = r.returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
             _interpreter_ok = False
     return _interpreter_ok
 

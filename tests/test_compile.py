@@ -28,6 +28,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+from conftest import needs_interpreter
 import torch._dynamo.testing
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
@@ -214,6 +216,7 @@ def test_mark_dynamic_alone_specialises_one(fresh_dynamo):
     assert counter.frame_count == 2
 
 
+@needs_interpreter
 def test_compiled_block_runs_triton_kernels_in_interpreter(fresh_dynamo, monkeypatch):
     """The compiled graph calls the ops, which run their Triton kernels (interpreted on CPU);
     results match the eager reference path."""

@@ -53,8 +53,9 @@ def _poison_allocator(nbytes=1 << 30):
     torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
 
 
-def _inputs(name, T, dtype, routing="uniform", seed=0):
+def _inputs(name, T, dtype, routing="uniform", seed=0, num_experts=None):
     H, I, E, K = SHAPES[name]
+    E = num_experts or E
     g = torch.Generator(device="cuda").manual_seed(seed)
     return make_dispatch_inputs(T, H, I, E, K, dtype=dtype, device="cuda", routing=routing,
                                 weight_std=0.02, generator=g)
@@ -202,9 +203,11 @@ BWD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 def test_backward_parity_benchmark_shapes(name, dtype, T):
     from moe_ops.reference import dispatch_backward_reference
 
-    if name == "deepseek_v3_routed" and dtype == torch.float32:
-        pytest.skip("float32 DeepSeek-V3 weights + grads + float32 reference exceed 139 GiB")
-    args = _inputs(name, T, dtype, seed=T + 1)
+    # DeepSeek-V3 at full E: weights + our grads + the reference's float32 grads (and float32
+    # per-expert temporaries) ran out of the H200's 139 GiB (2026-11-29), in the oracle, not in
+    # moe_ops. Its H and I are kept; E is cut to 64 experts.
+    E = 64 if name == "deepseek_v3_routed" else None
+    args = _inputs(name, T, dtype, seed=T + 1, num_experts=E)
     go = torch.randn(T, args[0].shape[1], device="cuda", dtype=dtype)
     _poison_allocator()
     got = torch.ops.moe.dispatch_backward(go, *args)

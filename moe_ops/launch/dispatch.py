@@ -17,7 +17,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", config=None,
-                    out=None, y_dtype=None):
+                    out=None):
     """`out` (internal, for tests that poison outputs) must be a fresh [T, H] buffer."""
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
@@ -43,7 +43,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     )
     # Per-slot expert outputs (routing weight applied, rounded once to the input dtype, as vLLM
     # does; float32 for float32 inputs); the combine sums them in float32 in a fixed order.
-    y = torch.empty(n_slots, H, dtype=y_dtype or hidden.dtype, device=dev)
+    y = torch.empty(n_slots, H, dtype=hidden.dtype, device=dev)
     kernel_for(down_kernel, dev)[(n_blocks * triton.cdiv(H, cfg.block_n2),)](
         act, w2, y, topk_weights, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, K,

@@ -8,16 +8,10 @@ from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.ops.samples import make_dispatch_inputs
 from moe_ops.reference import dispatch_reference, route_reference
 from moe_ops.reference.routing import selection_scores
+from moe_ops.tuning.shapes import SHAPES  # name: (H, I, E, K)
 
 pytestmark = pytest.mark.gpu
 
-# name: (H, I, E, K)
-SHAPES = {
-    "mixtral_8x7b": (4096, 14336, 8, 2),
-    "qwen3_30b_a3b": (2048, 768, 128, 8),
-    "deepseek_v3_routed": (7168, 2048, 256, 8),
-    "olmoe": (2048, 1024, 64, 8),
-}
 # float32 runs full-precision products; bf16/fp16 store the [rows, I] activation in the input
 # dtype, so their error is a few units of its rounding (2^-8 bf16, 2^-11 fp16).
 GPU_RTOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}

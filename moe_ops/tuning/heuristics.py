@@ -2,6 +2,7 @@
 cannot run inside CUDA-graph capture)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,6 +22,24 @@ class DispatchConfig:
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
                     dtype: torch.dtype) -> DispatchConfig:
+    """A tuned config for this device and shape when a table has one (moe_ops.tuning.tables),
+    else the heuristic below."""
+    if device_type == "cuda":
+        from moe_ops.tuning.tables import lookup
+
+        tuned = lookup(T, E, K, H, I, dtype, _device_name())
+        if tuned is not None:
+            return tuned
+    return heuristic_config(T, E, K, H, I, device_type, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name() -> str:
+    return torch.cuda.get_device_name()
+
+
+def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
+                     dtype: torch.dtype) -> DispatchConfig:
     if device_type != "cuda":
         # Interpreter: numpy runs each program; few large-ish blocks keep tiny tests fast.
         return DispatchConfig(16, 32, 32, 32, 32, 4, 1)

@@ -1,0 +1,110 @@
+"""Tuned dispatch configurations per device: JSON tables written by `python -m moe_ops.tune`,
+looked up by problem shape with the nearest measured token count; the heuristic in
+`moe_ops.tuning.heuristics` is the fallback when a device or shape has no table.
+
+Format (version 1), one file per device in moe_ops/tuning/configs/<device name>.json (spaces and
+slashes replaced by underscores), or in $MOE_OPS_TUNING_DIR:
+{"version": 1, "device": "NVIDIA H200", "triton": "3.6.0",
+ "entries": [{"H": 2048, "I": 768, "E": 128, "K": 8, "dtype": "bfloat16",
+              "configs": {"1": {<DispatchConfig fields>}, "512": {...}}}]}
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from moe_ops.tuning.heuristics import DispatchConfig
+
+FORMAT_VERSION = 1
+_PACKAGE_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def table_path(device_name: str, directory: str | os.PathLike | None = None) -> Path:
+    stem = "".join(c if c.isalnum() or c in "-." else "_" for c in device_name)
+    base = Path(directory or os.environ.get("MOE_OPS_TUNING_DIR") or _PACKAGE_DIR)
+    return base / f"{stem}.json"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def config_to_dict(cfg: DispatchConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d: dict) -> DispatchConfig:
+    fields = {f.name for f in dataclasses.fields(DispatchConfig)}
+    unknown = set(d) - fields
+    if unknown:
+        raise ValueError(f"unknown DispatchConfig fields in tuned table: {sorted(unknown)}")
+    return DispatchConfig(**d)
+
+
+def validate_table(table: dict) -> None:
+    if table.get("version") != FORMAT_VERSION:
+        raise ValueError(f"tuned table version must be {FORMAT_VERSION}, got {table.get('version')!r}")
+    for entry in table.get("entries", []):
+        for key in ("H", "I", "E", "K", "dtype", "configs"):
+            if key not in entry:
+                raise ValueError(f"tuned table entry lacks {key!r}: {entry}")
+        for t, cfg in entry["configs"].items():
+            int(t)
+            config_from_dict(cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str) -> dict | None:
+    p = Path(path)
+    if not p.is_file():
+        return None
+    table = json.loads(p.read_text())
+    validate_table(table)
+    return table
+
+
+def lookup(T: int, E: int, K: int, H: int, I: int, dtype: torch.dtype, device_name: str,
+           directory=None) -> DispatchConfig | None:
+    """The tuned config of the entry matching (H, I, E, K, dtype) at the measured token count
+    nearest to T (in log space), or None."""
+    table = _load(str(table_path(device_name, directory)))
+    if table is None:
+        return None
+    name = _dtype_name(dtype)
+    for entry in table["entries"]:
+        if (entry["H"], entry["I"], entry["E"], entry["K"], entry["dtype"]) == (H, I, E, K, name):
+            measured = sorted(int(t) for t in entry["configs"])
+            if not measured:
+                return None
+            best = min(measured, key=lambda t: abs(math.log(max(t, 1)) - math.log(max(T, 1))))
+            return config_from_dict(entry["configs"][str(best)])
+    return None
+
+
+def write_table(device_name: str, entries: list[dict], directory=None, triton_version=None) -> Path:
+    """Merges `entries` into the device's table (same shape and dtype: token counts updated)."""
+    path = table_path(device_name, directory)
+    table = _load(str(path)) if path.is_file() else None
+    table = json.loads(json.dumps(table)) if table else {
+        "version": FORMAT_VERSION, "device": device_name, "triton": triton_version, "entries": []}
+    for new in entries:
+        key = (new["H"], new["I"], new["E"], new["K"], new["dtype"])
+        for old in table["entries"]:
+            if (old["H"], old["I"], old["E"], old["K"], old["dtype"]) == key:
+                old["configs"].update(new["configs"])
+                break
+        else:
+            table["entries"].append(new)
+    if triton_version:
+        table["triton"] = triton_version
+    validate_table(table)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    _load.cache_clear()
+    return path

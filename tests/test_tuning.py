@@ -1,0 +1,111 @@
+"""Dispatch configuration: heuristic, tuned tables (format pinned), nearest-T lookup, tune CLI."""
+import json
+
+import pytest
+import torch
+from expecttest import TestCase
+
+from moe_ops.tuning import heuristics, tables
+from moe_ops.tuning.heuristics import DispatchConfig, dispatch_config, heuristic_config
+
+CFG_A = DispatchConfig(16, 64, 128, 64, 128, 4, 4)
+CFG_B = DispatchConfig(128, 128, 64, 256, 64, 8, 3)
+
+
+def _entry(configs, H=2048, I=768, E=128, K=8, dtype="bfloat16"):
+    return {"H": H, "I": I, "E": E, "K": K, "dtype": dtype,
+            "configs": {str(t): tables.config_to_dict(c) for t, c in configs.items()}}
+
+
+class TestTableFormat(TestCase):
+    def test_format_is_pinned(self):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            path = tables.write_table("NVIDIA H200", [_entry({1: CFG_A})], d, "3.6.0")
+            self.assertEqual(path.name, "NVIDIA_H200.json")
+            self.assertExpectedInline(path.read_text(), """\
+{
+ "device": "NVIDIA H200",
+ "entries": [
+  {
+   "E": 128,
+   "H": 2048,
+   "I": 768,
+   "K": 8,
+   "configs": {
+    "1": {
+     "block_k1": 128,
+     "block_k2": 128,
+     "block_m": 16,
+     "block_n1": 64,
+     "block_n2": 64,
+     "group_m": 8,
+     "num_stages": 4,
+     "num_warps": 4
+    }
+   },
+   "dtype": "bfloat16"
+  }
+ ],
+ "triton": "3.6.0",
+ "version": 1
+}
+""")
+
+
+def test_lookup_nearest_token_count_in_log_space(tmp_path):
+    tables.write_table("GPU X", [_entry({1: CFG_A, 2048: CFG_B})], tmp_path)
+    look = lambda T: tables.lookup(T, 128, 8, 2048, 768, torch.bfloat16, "GPU X", tmp_path)  # noqa: E731
+    assert look(1) == CFG_A
+    assert look(30) == CFG_A        # log distance: 30 is nearer 1 than 2048
+    assert look(100) == CFG_B
+    assert look(100000) == CFG_B
+    assert tables.lookup(1, 128, 8, 2048, 768, torch.float16, "GPU X", tmp_path) is None
+    assert tables.lookup(1, 64, 8, 2048, 768, torch.bfloat16, "GPU X", tmp_path) is None
+    assert tables.lookup(1, 128, 8, 2048, 768, torch.bfloat16, "GPU Y", tmp_path) is None
+
+
+def test_write_merges_token_counts(tmp_path):
+    tables.write_table("G", [_entry({1: CFG_A})], tmp_path)
+    tables.write_table("G", [_entry({512: CFG_B}), _entry({8: CFG_A}, E=64)], tmp_path)
+    table = json.loads(tables.table_path("G", tmp_path).read_text())
+    assert [sorted(e["configs"], key=int) for e in table["entries"]] == [["1", "512"], ["8"]]
+
+
+def test_bad_tables_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="version"):
+        tables.validate_table({"version": 99, "entries": []})
+    bad = _entry({1: CFG_A})
+    bad["configs"]["1"]["block_q"] = 3
+    with pytest.raises(ValueError, match="unknown DispatchConfig fields"):
+        tables.validate_table({"version": 1, "entries": [bad]})
+
+
+def test_dispatch_config_prefers_the_table_on_cuda(tmp_path, monkeypatch):
+    tables.write_table("Fake GPU", [_entry({64: CFG_B})], tmp_path)
+    monkeypatch.setenv("MOE_OPS_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(heuristics, "_device_name", lambda: "Fake GPU")
+    tables._load.cache_clear()
+    assert dispatch_config(64, 128, 8, 2048, 768, "cuda", torch.bfloat16) == CFG_B
+    # another shape: heuristic
+    assert dispatch_config(64, 64, 8, 2048, 768, "cuda", torch.bfloat16) == \
+        heuristic_config(64, 64, 8, 2048, 768, "cuda", torch.bfloat16)
+
+
+def test_heuristic_block_m_follows_rows_per_expert():
+    ms = [heuristic_config(T, 128, 8, 2048, 768, "cuda", torch.bfloat16).block_m
+          for T in (1, 256, 512, 1024, 8192)]
+    assert ms == [16, 16, 32, 64, 128]
+    f32 = heuristic_config(8192, 128, 8, 2048, 768, "cuda", torch.float32)
+    assert f32.block_k1 == f32.block_k2 == 32
+
+
+def test_tune_cli_smoke_through_interpreter(interpreter, tmp_path, capsys):
+    from moe_ops import tune
+
+    tune.main(["--shape", "24,20,4,2", "--tokens", "1", "9", "--device", "cpu", "--dtype",
+               "float32", "--out-dir", str(tmp_path)])
+    table = json.loads((tmp_path / "cpu-interpreter.json").read_text())
+    assert sorted(table["entries"][0]["configs"], key=int) == ["1", "9"]
+    assert "wrote" in capsys.readouterr().out

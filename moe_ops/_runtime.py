@@ -80,7 +80,7 @@ _interpreter_ok: bool | None = None
 
 def interpreter_works() -> bool:
     """Whether this Triton's interpreter can run our kernels. Triton 3.6's interpreter with
-    numpy >= 2.3 cannot run a loop bounded by a runtime scalar (int() of a 1-element array
+    numpy 2.4 (seen here) cannot run a loop bounded by a runtime scalar (int() of a 1-element array
     raises), and a failed interpreted launch there leaves Triton unable to compile GPU kernels
     for the rest of the process; triton 3.9 works. So the probe (a one-program kernel with such
     a loop) runs once, in a child process."""

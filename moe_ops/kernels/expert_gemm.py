@@ -12,6 +12,19 @@ import triton.language as tl
 
 
 @triton.jit
+def grouped_tile(pid, n_row_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, N tile) of program `pid` in grouped order: GROUP_M row blocks walk the N tiles
+    together, so their weight tiles and gathered rows are reused from L2."""
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * n_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(n_row_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     n_slots, H, I, top_k,
@@ -20,15 +33,7 @@ def gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # Grouped tile order: GROUP_M row blocks walk the N tiles together, so their weight tiles and
-    # gathered rows are reused from L2 (inlined: kernels here call no other @triton.jit code).
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * n_tiles
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(n_row_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     num_rows = tl.load(num_rows_ptr)
     if pid_m * BLOCK_M >= num_rows:
         return
@@ -73,15 +78,7 @@ def down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr = True,
 ):
-    # Grouped tile order: GROUP_M row blocks walk the N tiles together, so their weight tiles and
-    # gathered rows are reused from L2 (inlined: kernels here call no other @triton.jit code).
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * n_tiles
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(n_row_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     num_rows = tl.load(num_rows_ptr)
     if pid_m * BLOCK_M >= num_rows:
         return

@@ -16,6 +16,8 @@ dx: the forward's down_kernel shape of work (dz @ W13_e per row, per slot) then 
 import triton
 import triton.language as tl
 
+from moe_ops.kernels.expert_gemm import grouped_tile
+
 
 @triton.jit
 def act_grad_kernel(
@@ -28,13 +30,7 @@ def act_grad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(I, BLOCK_N)
-    per_group = GROUP_M * n_tiles
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(n_row_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
     num_rows = tl.load(num_rows_ptr)
     if pid_m * BLOCK_M >= num_rows:
         return

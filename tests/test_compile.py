@@ -30,11 +30,11 @@ import pytest
 import torch
 
 from conftest import needs_interpreter
+from moe_block import MoEBlock
 import torch._dynamo.testing
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
-from torch import nn
 from torch._dynamo.decorators import mark_unbacked
 from torch._inductor.utils import run_and_get_code
 from torch.export import Dim
@@ -54,36 +54,9 @@ TOKEN_COUNTS = (1, 2, 3, 4, 7, 8, 16, 33, 64, 100, 1, 0)
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-class MoEBlock(nn.Module):
-    """x + experts(route(router(rmsnorm(x)))) on [T, H] tokens. `router="softmax"` is Mixtral's
-    (softmax, top-k, renormalise); `"deepseek"` is DeepSeek-V3's (sigmoid scores, selection bias,
-    group-limited top-k, scaled weights)."""
-
-    def __init__(self, router="softmax", eps=1e-6):
-        super().__init__()
-        self.router_kind = router
-        self.eps = eps
-        self.norm_weight = nn.Parameter(1 + 0.1 * torch.randn(H))
-        self.router = nn.Linear(H, E, bias=False)
-        self.w13 = nn.Parameter(torch.randn(E, 2 * I, H) / H ** 0.5)
-        self.w2 = nn.Parameter(torch.randn(E, H, I) / I ** 0.5)
-        self.register_buffer("score_bias", 0.1 * torch.randn(E))
-
-    def forward(self, x):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = (h * self.norm_weight).to(x.dtype)
-        logits = self.router(h)
-        if self.router_kind == "softmax":
-            w, ids = torch.ops.moe.route(logits, K)
-        else:
-            w, ids = torch.ops.moe.route(logits, K, "sigmoid", True, self.score_bias, 4, 2, 2.5)
-        return x + torch.ops.moe.dispatch(h, self.w13, self.w2, w, ids)
-
-
 def make_block(router="softmax", seed=0):
     torch.manual_seed(seed)
-    return MoEBlock(router)
+    return MoEBlock(H, I, E, K, router)
 
 
 def make_input(T, seed, requires_grad=True):

@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
-from torch import nn
 from torch._dynamo.decorators import mark_unbacked
 from torch._dynamo.utils import counters
 from torch.export import Dim
 
 import moe_ops  # noqa: F401  (registers torch.ops.moe.*)
 from conftest import rel_err
+from moe_block import MoEBlock, route
 from moe_ops.reference import dispatch_reference
 
 pytestmark = [pytest.mark.gpu,
@@ -40,37 +40,9 @@ MIN_SAME_ROUTING = 0.9
 SAME_ROUTING_REL = 1e-2
 
 
-class MoEBlock(nn.Module):
-    """x + experts(route(router(rmsnorm(x)))), returning the output and the chosen expert ids.
-    `router="softmax"` is Mixtral's routing, `"deepseek"` DeepSeek-V3's (sigmoid, bias, groups)."""
-
-    def __init__(self, router="softmax", eps=1e-6):
-        super().__init__()
-        self.router_kind = router
-        self.eps = eps
-        self.norm_weight = nn.Parameter(1 + 0.1 * torch.randn(H))
-        self.router = nn.Linear(H, E, bias=False)
-        self.w13 = nn.Parameter(torch.randn(E, 2 * I, H) / H ** 0.5)
-        self.w2 = nn.Parameter(torch.randn(E, H, I) / I ** 0.5)
-        self.register_buffer("score_bias", 0.1 * torch.randn(E))
-
-    def forward(self, x):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = (h * self.norm_weight).to(x.dtype)
-        w, ids = route(self.router(h), self.router_kind, self.score_bias)
-        return x + torch.ops.moe.dispatch(h, self.w13, self.w2, w, ids), ids
-
-
-def route(logits, router, bias):
-    if router == "softmax":
-        return torch.ops.moe.route(logits, K)
-    return torch.ops.moe.route(logits, K, "sigmoid", True, bias.float(), 4, 2, 2.5)
-
-
 def make_block(dtype=torch.bfloat16, router="softmax", seed=0):
     torch.manual_seed(seed)
-    block = MoEBlock(router).to(DEVICE, dtype)
+    block = MoEBlock(H, I, E, K, router, return_ids=True).to(DEVICE, dtype)
     block.score_bias.data = block.score_bias.float()
     return block.eval()
 
@@ -157,7 +129,7 @@ def _decode_weights(gen):
 
 def decode_step(x, logits, w13, w2, bias, router):
     """moe.route + moe.dispatch for one decode step of T tokens."""
-    w, ids = route(logits, router, bias)
+    w, ids = route(logits, router, bias, K)
     return torch.ops.moe.dispatch(x, w13, w2, w, ids), w, ids
 
 

@@ -25,6 +25,34 @@ def grouped_tile(pid, n_row_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.conste
 
 
 @triton.jit
+def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
+                 stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """(gate, up) pre-activations [BLOCK_M, BLOCK_N] of the rows of tokens `tok` for expert `e`
+    and columns pid_n*BLOCK_N.. of I, accumulated in float32 over H. One [BLOCK_K, 2*BLOCK_N]
+    weight tile per step: gate columns n0..n0+BN, then the matching up columns I+n0..: a single
+    N=2*BLOCK_N product (wgmma's widest shape) instead of two."""
+    cols = tl.arange(0, 2 * BLOCK_N)
+    is_up = cols >= BLOCK_N
+    w_rows = pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N + I, cols)
+    w_mask = (pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N, cols)) < I
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    w_ptrs = (w_ptr + e * stride_we + w_rows[None, :].to(tl.int64) * stride_wn
+              + offs_k[:, None] * stride_wk)
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = offs_k < H - k0
+        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & w_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_xh
+        w_ptrs += BLOCK_K * stride_wk
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     n_slots, H, I, top_k,
@@ -42,27 +70,11 @@ def gate_up_kernel(
     slots = tl.load(sorted_ptr + rows)
     row_valid = slots < n_slots
     tok = (slots // top_k).to(tl.int64)
-    # One [BLOCK_K, 2*BLOCK_N] weight tile per step: gate columns n0..n0+BN, then the matching up
-    # columns I+n0..: a single N=2*BLOCK_N product (wgmma's widest shape) instead of two.
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
-    cols = tl.arange(0, 2 * BLOCK_N)
-    is_up = cols >= BLOCK_N
-    w_rows = pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N + I, cols)
-    w_mask = (pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N, cols)) < I
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-    w_ptrs = (w_ptr + e * stride_we + w_rows[None, :].to(tl.int64) * stride_wn
-              + offs_k[:, None] * stride_wk)
-    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k_mask = offs_k < H - k0
-        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_mask[:, None] & w_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_xh
-        w_ptrs += BLOCK_K * stride_wk
-    acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    acc_g, acc_u = gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
+                                stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+                                BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     rows64 = rows.to(tl.int64)
     tl.store(act_ptr + rows64[:, None] * stride_am + offs_n[None, :],

@@ -16,7 +16,7 @@ dx: the forward's down_kernel shape of work (dz @ W13_e per row, per slot) then 
 import triton
 import triton.language as tl
 
-from moe_ops.kernels.expert_gemm import grouped_tile
+from moe_ops.kernels.expert_gemm import gate_up_tile, grouped_tile
 
 
 @triton.jit
@@ -44,22 +44,9 @@ def act_grad_kernel(
     n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     # z = x W13_e^T for the gate and up columns of this tile (as in the forward)
-    cols = tl.arange(0, 2 * BLOCK_N)
-    is_up = cols >= BLOCK_N
-    w_rows = pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N + I, cols)
-    w_mask = (pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N, cols)) < I
-    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-    w_ptrs = (w13_ptr + e * stride_13e + w_rows[None, :].to(tl.int64) * stride_13n
-              + offs_k[:, None] * stride_13k)
-    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k_mask = offs_k < H - k0
-        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_mask[:, None] & w_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_xh
-        w_ptrs += BLOCK_K * stride_13k
-    g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    g, u = gate_up_tile(x_ptr, w13_ptr, tok, row_valid, e, pid_n, H, I,
+                        stride_xt, stride_xh, stride_13e, stride_13n, stride_13k,
+                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     # dA = dO W2_e[:, tile]
     go_ptrs = go_ptr + tok[:, None] * stride_gt + offs_k[None, :] * stride_gh
     w2_ptrs = (w2_ptr + e * stride_2e + offs_k[:, None].to(tl.int64) * stride_2h

@@ -586,13 +586,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    opts = parse_args(argv)
-    device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def resolve_device(name: Optional[str]) -> torch.device:
+    """The device to benchmark on (CUDA when present), with its index made current."""
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    return device
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    device = resolve_device(opts.device)
     dtype = DTYPES[opts.dtype]
     if opts.warmup_ms is None:
         opts.warmup_ms = 2.0 if opts.tiny else 10.0

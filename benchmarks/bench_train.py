@@ -448,11 +448,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
-    device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = bm.resolve_device(opts.device)
     if opts.warmup_ms is None:
         opts.warmup_ms = 2.0 if opts.tiny else 5.0
     if opts.rep_ms is None:

@@ -1,6 +1,10 @@
 """Host-side cost per call of the ops and their pieces (no synchronisation inside the loop):
 what eager mode pays before the GPU does any work. python benchmarks/host_overhead.py"""
-import time, torch, triton, moe_ops
+import time
+
+import torch
+
+import moe_ops  # noqa: F401  (registers torch.ops.moe.*)
 from moe_ops.launch.routing import route_triton
 from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.launch.alignment import align_triton

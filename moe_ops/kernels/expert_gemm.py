@@ -1,7 +1,8 @@
 """Expert GEMMs over the aligned rows.
 
 gate_up_kernel: act[row] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T), gathering token rows
-  through sorted_slots (no permuted copy of hidden); SwiGLU in float32 registers.
+  through sorted_slots (no permuted copy of hidden); SwiGLU in float32 registers. With SAVE_Z
+  (training) it also stores the pre-activation z[row] = [g | u] for the backward.
 down_kernel: y[slot] = topk_weight[slot] * (act[row] @ w2[e].T), written per slot (also the
   backward's dx rows, dz[row] @ w13[e], with HAS_WEIGHTS=False).
 combine_kernel: out[t] = sum over k in order 0..K-1 of y[t*K + k] for valid ids: deterministic,
@@ -57,9 +58,9 @@ def gate_up_kernel(
     x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     n_slots, H, I, top_k,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_am,
-    n_row_blocks, N,
+    n_row_blocks, N, z_ptr, stride_z,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr = False,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     num_rows = tl.load(num_rows_ptr)
@@ -77,8 +78,13 @@ def gate_up_kernel(
                                 BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     rows64 = rows.to(tl.int64)
+    m2 = row_valid[:, None] & n_mask[None, :]
     tl.store(act_ptr + rows64[:, None] * stride_am + offs_n[None, :],
-             act.to(act_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
+             act.to(act_ptr.dtype.element_ty), mask=m2)
+    if SAVE_Z:   # training: keep z = [g | u] (rounded to the input dtype) for the backward
+        z_ptrs = z_ptr + rows64[:, None] * stride_z + offs_n[None, :]
+        tl.store(z_ptrs, acc_g.to(z_ptr.dtype.element_ty), mask=m2)
+        tl.store(z_ptrs + I, acc_u.to(z_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Backward of the expert computation over the forward's aligned rows (recomputed, not saved).
+"""Backward of the expert computation over the forward's aligned rows.
 
 For a row (slot t*K+k with expert e and routing weight s), z = [g | u] = W13_e x_t,
 a = silu(g) * u, out_t += s * W2_e a:
@@ -7,8 +7,9 @@ a = silu(g) * u, out_t += s * W2_e a:
   dg = da * u * sig(g) * (1 + g (1 - sig(g))),  du = da * silu(g)
   dW2_e  = sum_rows dO_t^T (s a)          dW13_e = sum_rows dz^T x_t
   dx_t   = sum_k dz_tk W13_e
-act_grad_kernel: z and dA tiles for a [BLOCK_M, BLOCK_N] slice of I, the elementwise part in
-  float32 registers; writes dz (gate and up halves), s*a and per-tile partial sums of ds.
+act_grad_kernel: z (saved by the forward, or recomputed) and dA tiles for a [BLOCK_M, BLOCK_N]
+  slice of I, the elementwise part in float32 registers; writes dz (gate and up halves), s*a and
+  per-tile partial sums of ds.
 Weight gradients: weight_grad_kernel, one program per (expert, output tile), walking that
   expert's rows in order: float32 accumulation, no atomics, bitwise reproducible.
 dx: the forward's down_kernel shape of work (dz @ W13_e per row, per slot) then combine_kernel.
@@ -26,9 +27,9 @@ def act_grad_kernel(
     n_slots, H, I, top_k, n_row_blocks,
     stride_xt, stride_xh, stride_gt, stride_gh,
     stride_13e, stride_13n, stride_13k, stride_2e, stride_2h, stride_2i,
-    stride_tw_t, stride_tw_k, stride_dz, stride_sa, stride_dsp,
+    stride_tw_t, stride_tw_k, stride_dz, stride_sa, stride_dsp, z_ptr, stride_z,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_Z: tl.constexpr = False,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
     num_rows = tl.load(num_rows_ptr)
@@ -43,10 +44,16 @@ def act_grad_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
-    # z = x W13_e^T for the gate and up columns of this tile (as in the forward)
-    g, u = gate_up_tile(x_ptr, w13_ptr, tok, row_valid, e, pid_n, H, I,
-                        stride_xt, stride_xh, stride_13e, stride_13n, stride_13k,
-                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    rows64 = rows.to(tl.int64)
+    m2 = row_valid[:, None] & n_mask[None, :]
+    if HAS_Z:   # z saved by the forward
+        z_ptrs = z_ptr + rows64[:, None] * stride_z + offs_n[None, :]
+        g = tl.load(z_ptrs, mask=m2, other=0.0).to(tl.float32)
+        u = tl.load(z_ptrs + I, mask=m2, other=0.0).to(tl.float32)
+    else:       # recompute z = x W13_e^T for the gate and up columns of this tile
+        g, u = gate_up_tile(x_ptr, w13_ptr, tok, row_valid, e, pid_n, H, I,
+                            stride_xt, stride_xh, stride_13e, stride_13n, stride_13k,
+                            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     # dA = dO W2_e[:, tile]
     go_ptrs = go_ptr + tok[:, None] * stride_gt + offs_k[None, :] * stride_gh
     w2_ptrs = (w2_ptr + e * stride_2e + offs_k[:, None].to(tl.int64) * stride_2h
@@ -68,8 +75,6 @@ def act_grad_kernel(
     da = dA * s[:, None]
     dg = da * u * sig * (1.0 + g * (1.0 - sig))
     du = da * silu
-    rows64 = rows.to(tl.int64)
-    m2 = row_valid[:, None] & n_mask[None, :]
     dz_ptrs = dz_ptr + rows64[:, None] * stride_dz + offs_n[None, :]
     tl.store(dz_ptrs, dg.to(dz_ptr.dtype.element_ty), mask=m2)
     tl.store(dz_ptrs + I, du.to(dz_ptr.dtype.element_ty), mask=m2)

@@ -17,8 +17,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", config=None,
-                    out=None):
-    """`out` (internal, for tests that poison outputs) must be a fresh [T, H] buffer."""
+                    out=None, save_z=False):
+    """`out` (internal, for tests that poison outputs) must be a fresh [T, H] buffer.
+    save_z (training): also return z = [g | u], the pre-activation per aligned row
+    ([max_rows, 2I], input dtype) that dispatch_backward_triton(z=...) consumes."""
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
@@ -26,20 +28,22 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     if out is None:
         out = torch.empty(T, H, dtype=hidden.dtype, device=dev)
     if T == 0:
-        return out
+        return (out, torch.empty(0, 2 * I, dtype=hidden.dtype, device=dev)) if save_z else out
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, hidden.dtype)
     al = align_triton(topk_ids, E, cfg.block_m)
     n_slots = T * K
     n_blocks = al.max_rows // cfg.block_m
     precision = _dot_precision(hidden.dtype)
     act = torch.empty(al.max_rows, I, dtype=hidden.dtype, device=dev)
+    z = torch.empty(al.max_rows, 2 * I, dtype=hidden.dtype, device=dev) if save_z else act
     kernel_for(gate_up_kernel, dev)[(n_blocks * triton.cdiv(I, cfg.block_n1),)](
         hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, K,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        act.stride(0), n_blocks, I,
+        act.stride(0), n_blocks, I, z, z.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=precision, SAVE_Z=save_z, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     # Per-slot expert outputs (routing weight applied, rounded once to the input dtype, as vLLM
     # does; float32 for float32 inputs); the combine sums them in float32 in a fixed order.
@@ -59,4 +63,4 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
         topk_ids.stride(0), topk_ids.stride(1), y.stride(0), out.stride(0), out.stride(1),
         BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
     )
-    return out
+    return (out, z) if save_z else out

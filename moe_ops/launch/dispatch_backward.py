@@ -1,7 +1,9 @@
 """Host side of the Triton backward of moe.dispatch (kernels: moe_ops.kernels.expert_gemm_backward).
 
-Nothing is saved by the forward beyond its inputs: the alignment and z = W13_e x are recomputed
-(one extra gate+up GEMM, ~1/3 of the forward flops), so the activation memory per token is zero.
+The forward's alignment is recomputed (deterministic, a few small launches). The pre-activation
+z = W13_e x is either saved by the training forward (`z`, [max_rows, 2I] in the input dtype:
+2*I elements per aligned row, see moe_ops.launch.dispatch.dispatch_train_triton) or recomputed
+here (one extra gate+up GEMM, 2/3 of the forward's flops, and no activation memory).
 Scratch during backward, per aligned row: dz [2I] + s*a [I] in the input dtype, the per-slot dx
 [H] in the input dtype, and n_tiles float32 partials of ds."""
 from __future__ import annotations
@@ -14,10 +16,13 @@ from moe_ops.kernels.expert_gemm import combine_kernel, down_kernel
 from moe_ops.kernels.expert_gemm_backward import act_grad_kernel, ds_kernel, weight_grad_kernel
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import _dot_precision
-from moe_ops.tuning.heuristics import dispatch_config
+from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
 
-def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation="silu",
+                             z=None, config=None, bwd_config=None):
+    """`z`: the pre-activation saved by the training forward (None: recompute it). `config` must
+    be the forward's config when `z` is given (its block_m fixes the row layout of z)."""
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
@@ -29,17 +34,17 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     dweights = torch.zeros(topk_weights.shape, dtype=topk_weights.dtype, device=dev)
     if T == 0:
         return dx, dw13.zero_(), dw2.zero_(), dweights
-    cfg = dispatch_config(T, E, K, H, I, dev.type, dt)
+    cfg = config or dispatch_config(T, E, K, H, I, dev.type, dt)
+    bc = bwd_config or backward_config(cfg, dev.type, dt)
     bm = cfg.block_m
     al = align_triton(topk_ids, E, bm)
+    if z is not None and z.shape[0] != al.max_rows:
+        raise ValueError(f"saved z has {z.shape[0]} rows, the alignment {al.max_rows}")
     n_slots = T * K
     n_blocks = al.max_rows // bm
     prec = _dot_precision(dt)
-    on_gpu = dev.type == "cuda"
-    bn = 64 if on_gpu else 32
-    bk = 64 if on_gpu else 32
-    warps = (8 if bm >= 128 else 4) if on_gpu else 1
-    n_tiles = triton.cdiv(I, bn)
+    stages = bc.num_stages
+    n_tiles = triton.cdiv(I, bc.act_n)
 
     dz = torch.empty(al.max_rows, 2 * I, dtype=dt, device=dev)
     sa = torch.empty(al.max_rows, I, dtype=dt, device=dev)
@@ -51,8 +56,9 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
         hidden.stride(0), hidden.stride(1), grad_out.stride(0), grad_out.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
         topk_weights.stride(0), topk_weights.stride(1), dz.stride(0), sa.stride(0),
-        ds_part.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, DOT_PRECISION=prec, num_warps=warps,
+        ds_part.stride(0), z if z is not None else dz, z.stride(0) if z is not None else 0,
+        BLOCK_M=bm, BLOCK_N=bc.act_n, BLOCK_K=bc.act_k, GROUP_M=8, DOT_PRECISION=prec,
+        HAS_Z=z is not None, num_warps=bc.act_warps, num_stages=stages,
     )
     block_r = 64
     kernel_for(ds_kernel, dev)[(triton.cdiv(al.max_rows, block_r),)](
@@ -62,13 +68,13 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     )
 
     def weight_grad(left, right, out, gather_l, gather_r, M, N):
-        bm_w, bn_w, bk_w = (64, 64, 32) if on_gpu else (32, 32, 16)
-        kernel_for(weight_grad_kernel, dev)[(E * triton.cdiv(M, bm_w) * triton.cdiv(N, bn_w),)](
+        kernel_for(weight_grad_kernel, dev)[
+                (E * triton.cdiv(M, bc.wg_m) * triton.cdiv(N, bc.wg_n),)](
             left, right, out, al.sorted_slots, al.expert_ends, n_slots, K, M, N, E,
             left.stride(0), left.stride(1), right.stride(0), right.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
-            GATHER_L=gather_l, GATHER_R=gather_r, BLOCK_M=bm_w, BLOCK_N=bn_w, BLOCK_K=bk_w,
-            DOT_PRECISION=prec, num_warps=warps,
+            GATHER_L=gather_l, GATHER_R=gather_r, BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n,
+            BLOCK_K=bc.wg_k, DOT_PRECISION=prec, num_warps=bc.wg_warps, num_stages=stages,
         )
 
     # dW2_e [H, I] = sum_rows dO[t]^T (s a)[row];  dW13_e [2I, H] = sum_rows dz[row]^T x[t]
@@ -77,13 +83,13 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
 
     # dx: per-slot dz[row] @ W13_e ([2I] x [2I, H]), then the forward's deterministic combine.
     dxs = torch.empty(n_slots, H, dtype=dt, device=dev)
-    kernel_for(down_kernel, dev)[(n_blocks * triton.cdiv(H, bn),)](
+    kernel_for(down_kernel, dev)[(n_blocks * triton.cdiv(H, bc.dx_n),)](
         dz, w13, dxs, topk_weights, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, 2 * I, K,
         dz.stride(0), w13.stride(0), w13.stride(2), w13.stride(1),
         topk_weights.stride(0), topk_weights.stride(1), dxs.stride(0), n_blocks, H,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, DOT_PRECISION=prec, HAS_WEIGHTS=False,
-        num_warps=warps,
+        BLOCK_M=bm, BLOCK_N=bc.dx_n, BLOCK_K=bc.dx_k, GROUP_M=8, DOT_PRECISION=prec,
+        HAS_WEIGHTS=False, num_warps=bc.dx_warps, num_stages=stages,
     )
     block_h = min(1024, triton.next_power_of_2(H))
     kernel_for(combine_kernel, dev)[(triton.cdiv(T, 4), triton.cdiv(H, block_h))](

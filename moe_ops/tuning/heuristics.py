@@ -68,3 +68,32 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
         # float32 tiles take twice the shared memory per stage.
         cfg = replace(cfg, block_k1=32, block_k2=32, num_stages=3)
     return cfg
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Tiles of the backward kernels (moe_ops.launch.dispatch_backward). The row block is the
+    forward's block_m (the backward walks the same alignment)."""
+    act_n: int         # act_grad: columns of I per program
+    act_k: int         # act_grad: reduction step over H
+    act_warps: int
+    wg_m: int          # weight gradients: output tile rows
+    wg_n: int          # weight gradients: output tile columns
+    wg_k: int          # weight gradients: rows of the expert per step
+    wg_warps: int
+    dx_n: int          # dx: columns of H per program
+    dx_k: int          # dx: reduction step over 2I
+    dx_warps: int
+    num_stages: int
+
+
+def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype) -> BackwardConfig:
+    if device_type != "cuda":
+        return BackwardConfig(32, 32, 1, 32, 32, 16, 1, 32, 32, 1, 1)
+    big = fwd.block_m >= 128
+    cfg = BackwardConfig(act_n=64, act_k=64, act_warps=8 if big else 4,
+                         wg_m=128, wg_n=128, wg_k=64, wg_warps=8,
+                         dx_n=128, dx_k=64, dx_warps=8 if big else 4, num_stages=3)
+    if dtype == torch.float32:
+        cfg = replace(cfg, act_k=32, wg_k=32, dx_k=32)
+    return cfg

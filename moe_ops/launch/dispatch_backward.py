@@ -67,19 +67,9 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
         BLOCK_R=block_r, BLOCK_T=triton.next_power_of_2(n_tiles),
     )
 
-    def weight_grad(left, right, out, gather_l, gather_r, M, N):
-        kernel_for(weight_grad_kernel, dev)[
-                (E * triton.cdiv(M, bc.wg_m) * triton.cdiv(N, bc.wg_n),)](
-            left, right, out, al.sorted_slots, al.expert_ends, n_slots, K, M, N, E,
-            left.stride(0), left.stride(1), right.stride(0), right.stride(1),
-            out.stride(0), out.stride(1), out.stride(2),
-            GATHER_L=gather_l, GATHER_R=gather_r, BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n,
-            BLOCK_K=bc.wg_k, DOT_PRECISION=prec, num_warps=bc.wg_warps, num_stages=stages,
-        )
-
     # dW2_e [H, I] = sum_rows dO[t]^T (s a)[row];  dW13_e [2I, H] = sum_rows dz[row]^T x[t]
-    weight_grad(grad_out, sa, dw2, True, False, H, I)
-    weight_grad(dz, hidden, dw13, False, True, 2 * I, H)
+    weight_grad_triton(grad_out, sa, dw2, al, n_slots, K, True, False, bc, prec)
+    weight_grad_triton(dz, hidden, dw13, al, n_slots, K, False, True, bc, prec)
 
     # dx: per-slot dz[row] @ W13_e ([2I] x [2I, H]), then the forward's deterministic combine.
     dxs = torch.empty(n_slots, H, dtype=dt, device=dev)
@@ -98,3 +88,17 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
         BLOCK_T=4, BLOCK_H=block_h, num_warps=4,
     )
     return dx, dw13, dw2, dweights
+
+
+def weight_grad_triton(left, right, out, al, n_slots, top_k, gather_l, gather_r, bc, prec):
+    """out[e] ([M, N]) = sum over expert e's aligned rows of left[row]^T right[row]; an operand
+    with gather_* set is indexed by token (slot // top_k) instead of by aligned row."""
+    E, M, N = out.shape
+    kernel_for(weight_grad_kernel, out.device)[
+            (E * triton.cdiv(M, bc.wg_m) * triton.cdiv(N, bc.wg_n),)](
+        left, right, out, al.sorted_slots, al.expert_ends, n_slots, top_k, M, N, E,
+        left.stride(0), left.stride(1), right.stride(0), right.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        GATHER_L=gather_l, GATHER_R=gather_r, BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n,
+        BLOCK_K=bc.wg_k, DOT_PRECISION=prec, num_warps=bc.wg_warps, num_stages=bc.num_stages,
+    )

@@ -27,68 +27,15 @@ def variants(base):
         "default": base,
         "old(64x64x32 wg, 64 dx)": r(base, wg_m=64, wg_n=64, wg_k=32, dx_n=64),
         "wg 128x256": r(base, wg_n=256),
-        "wg k32": r(base, wg_k=32),
         "wg 4 stages": r(base, num_stages=4),
         "act n128": r(base, act_n=128),
         "dx n256": r(base, dx_n=256),
-        "act n128 w4": r(base, act_n=128, act_warps=4),
         "act n128 s4": r(base, act_n=128, num_stages=4),
-        "act n256": r(base, act_n=256),
         "act k128": r(base, act_k=128),
+        "wg 256x128": r(base, wg_m=256),
+        "wg 128x64": r(base, wg_n=64),
+        "wg w4": r(base, wg_warps=4),
     }
-
-
-WG_TILES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-            (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]
-
-
-def probe_weight_grads(name, T, x, go, ids, cfg, base, I, rows_out):
-    """Weight-gradient kernel alone: the row-major operands as the backward has them
-    (the contraction runs over rows, so the left operand is M-contiguous) against transposed
-    copies (left operand contiguous along the rows = K-major)."""
-    from moe_ops.launch.alignment import align_triton
-    from moe_ops.launch.dispatch_backward import weight_grad_triton
-    E = rows_out["E"]
-    H = x.shape[1]
-    K = ids.shape[1]
-    al = align_triton(ids, E, cfg.block_m)
-    dz = torch.randn(al.max_rows, 2 * I, device=x.device, dtype=x.dtype)
-    sa = torch.randn(al.max_rows, I, device=x.device, dtype=x.dtype)
-    dzT = dz.t().contiguous()
-    saT = sa.t().contiguous()
-    dw13 = torch.empty(E, 2 * I, H, device=x.device, dtype=x.dtype)
-    dw2 = torch.empty(E, H, I, device=x.device, dtype=x.dtype)
-    n_slots = T * K
-    fl13 = 2 * n_slots * 2 * I * H
-    fl2 = 2 * n_slots * I * H
-    for tile in WG_TILES:
-        bc = dataclasses.replace(base, wg_m=tile[0], wg_n=tile[1], wg_k=tile[2], wg_warps=tile[3],
-                                 num_stages=tile[4])
-        cases = {
-            "dW13 rowmajor": (lambda: weight_grad_triton(dz, x, dw13, al, n_slots, K, False, True,
-                                                         bc, "tf32"), fl13),
-            "dW13 K-major": (lambda: weight_grad_triton(dzT.t(), x, dw13, al, n_slots, K, False, True,
-                                                        bc, "tf32"), fl13),
-            "dW2 rowmajor": (lambda: weight_grad_triton(go, sa, dw2, al, n_slots, K, True, False, bc,
-                                                        "tf32"), fl2),
-            "dW2 K-major": (lambda: weight_grad_triton(saT.t(), go, dw2.transpose(1, 2), al, n_slots,
-                                                       K, False, True, bc, "tf32"), fl2),
-        }
-        res = []
-        for cname, (fn, fl) in cases.items():
-            try:
-                t = triton.testing.do_bench(fn)
-                res.append(f"{cname} {t:.2f} ms {fl / t / 1e9 / 786:.0%}")
-            except Exception as exc:
-                res.append(f"{cname} {type(exc).__name__}")
-        print(f"WG {name} T={T} tile {tile}: " + " | ".join(res), flush=True)
-    # K-major result equals the row-major one (same products, same row order)
-    bc = base
-    weight_grad_triton(dz, x, dw13, al, n_slots, K, False, True, bc, "tf32")
-    a = dw13.clone()
-    weight_grad_triton(dzT.t(), x, dw13, al, n_slots, K, False, True, bc, "tf32")
-    print(f"WG {name}: K-major vs row-major dW13 max rel {rel(dw13, a):.1e}")
-    del dz, sa, dzT, saT, dw13, dw2
 
 
 def kernel_times(fn, n=3):
@@ -112,7 +59,6 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[8192])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--quick", action="store_true", help="default variant only, z saved + recomputed")
-    p.add_argument("--probe-wg", action="store_true", help="weight-gradient layouts and tiles only")
     args = p.parse_args()
     dev = torch.device("cuda")
     dt = torch.bfloat16
@@ -132,9 +78,6 @@ def main():
             cfg = dispatch_config(T, E, K, H, I, "cuda", dt)
             base = backward_config(cfg, "cuda", dt)
             flops = 2 * T * K * 3 * H * I
-            if args.probe_wg:
-                probe_weight_grads(name, T, x, go, ids, cfg, base, I, {"E": E})
-                continue
             t_f = triton.testing.do_bench(lambda: dispatch_triton(x, w13, w2, tw, ids, config=cfg))
             t_fz = triton.testing.do_bench(
                 lambda: dispatch_triton(x, w13, w2, tw, ids, config=cfg, save_z=True))

@@ -10,8 +10,10 @@ a = silu(g) * u, out_t += s * W2_e a:
 act_grad_kernel: z (saved by the forward, or recomputed) and dA tiles for a [BLOCK_M, BLOCK_N]
   slice of I, the elementwise part in float32 registers; writes dz (gate and up halves), s*a and
   per-tile partial sums of ds.
+hidden and grad_out are first gathered into aligned-row order (gather_rows_kernel, zero padding
+  rows), so no GEMM below indexes rows through the slot table inside its reduction loop.
 Weight gradients: weight_grad_kernel, one program per (expert, output tile), walking that
-  expert's rows in order: float32 accumulation, no atomics, bitwise reproducible.
+  expert's padded rows in order: float32 accumulation, no atomics, bitwise reproducible.
 dx: the forward's down_kernel shape of work (dz @ W13_e per row, per slot) then combine_kernel.
 """
 import triton
@@ -22,15 +24,16 @@ from moe_ops.kernels.expert_gemm import gate_up_tile, grouped_tile
 
 @triton.jit
 def act_grad_kernel(
-    x_ptr, go_ptr, w13_ptr, w2_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+    xs_ptr, gos_ptr, w13_ptr, w2_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     dz_ptr, sa_ptr, ds_part_ptr,
     n_slots, H, I, top_k, n_row_blocks,
-    stride_xt, stride_xh, stride_gt, stride_gh,
+    stride_xs, stride_gs,
     stride_13e, stride_13n, stride_13k, stride_2e, stride_2h, stride_2i,
     stride_tw_t, stride_tw_k, stride_dz, stride_sa, stride_dsp, z_ptr, stride_z,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_Z: tl.constexpr = False,
 ):
+    """xs / gos: hidden and grad_out gathered into aligned-row order (gather_rows_kernel)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
     num_rows = tl.load(num_rows_ptr)
     if pid_m * BLOCK_M >= num_rows:
@@ -41,30 +44,30 @@ def act_grad_kernel(
     row_valid = slots < n_slots
     slots64 = slots.to(tl.int64)
     tok = slots64 // top_k
+    rows64 = rows.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
-    rows64 = rows.to(tl.int64)
     m2 = row_valid[:, None] & n_mask[None, :]
     if HAS_Z:   # z saved by the forward
         z_ptrs = z_ptr + rows64[:, None] * stride_z + offs_n[None, :]
         g = tl.load(z_ptrs, mask=m2, other=0.0).to(tl.float32)
         u = tl.load(z_ptrs + I, mask=m2, other=0.0).to(tl.float32)
     else:       # recompute z = x W13_e^T for the gate and up columns of this tile
-        g, u = gate_up_tile(x_ptr, w13_ptr, tok, row_valid, e, pid_n, H, I,
-                            stride_xt, stride_xh, stride_13e, stride_13n, stride_13k,
+        g, u = gate_up_tile(xs_ptr, w13_ptr, rows64, row_valid, e, pid_n, H, I,
+                            stride_xs, 1, stride_13e, stride_13n, stride_13k,
                             BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     # dA = dO W2_e[:, tile]
-    go_ptrs = go_ptr + tok[:, None] * stride_gt + offs_k[None, :] * stride_gh
+    go_ptrs = gos_ptr + rows64[:, None] * stride_gs + offs_k[None, :]
     w2_ptrs = (w2_ptr + e * stride_2e + offs_k[:, None].to(tl.int64) * stride_2h
                + offs_n[None, :] * stride_2i)
     dA = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
-        go = tl.load(go_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+        go = tl.load(go_ptrs, mask=k_mask[None, :], other=0.0)
         w2 = tl.load(w2_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         dA = tl.dot(go.to(w2.dtype), w2, dA, input_precision=DOT_PRECISION)
-        go_ptrs += BLOCK_K * stride_gh
+        go_ptrs += BLOCK_K
         w2_ptrs += BLOCK_K * stride_2h
     s = tl.load(weights_ptr + tok * stride_tw_t + (slots64 % top_k) * stride_tw_k,
                 mask=row_valid, other=0.0).to(tl.float32)
@@ -75,12 +78,38 @@ def act_grad_kernel(
     da = dA * s[:, None]
     dg = da * u * sig * (1.0 + g * (1.0 - sig))
     du = da * silu
+    # Padding rows are stored too (as zeros: their gathered rows, z and s are zero) so that the
+    # weight-gradient GEMMs can walk whole padded row ranges without masks.
+    m_store = (rows < num_rows)[:, None] & n_mask[None, :]
     dz_ptrs = dz_ptr + rows64[:, None] * stride_dz + offs_n[None, :]
-    tl.store(dz_ptrs, dg.to(dz_ptr.dtype.element_ty), mask=m2)
-    tl.store(dz_ptrs + I, du.to(dz_ptr.dtype.element_ty), mask=m2)
+    tl.store(dz_ptrs, tl.where(m2, dg, 0.0).to(dz_ptr.dtype.element_ty), mask=m_store)
+    tl.store(dz_ptrs + I, tl.where(m2, du, 0.0).to(dz_ptr.dtype.element_ty), mask=m_store)
     tl.store(sa_ptr + rows64[:, None] * stride_sa + offs_n[None, :],
-             (act * s[:, None]).to(sa_ptr.dtype.element_ty), mask=m2)
+             tl.where(m2, act * s[:, None], 0.0).to(sa_ptr.dtype.element_ty), mask=m_store)
     tl.store(ds_part_ptr + rows64 * stride_dsp + pid_n, ds_part, mask=row_valid)
+
+
+@triton.jit
+def gather_rows_kernel(src_ptr, sorted_ptr, num_rows_ptr, dst_ptr, n_slots, top_k, H,
+                       stride_s, stride_sh, stride_d,
+                       BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """dst[row] = src[slot // top_k] for the aligned rows below num_rows; zeros for padding."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    num_rows = tl.load(num_rows_ptr)
+    if tl.program_id(0) * BLOCK_R >= num_rows:
+        return
+    in_range = rows < num_rows
+    slots = tl.load(sorted_ptr + rows, mask=in_range, other=n_slots)
+    valid = slots < n_slots
+    tok = slots.to(tl.int64) // top_k
+    rows64 = rows.to(tl.int64)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = offs_h < H
+        v = tl.load(src_ptr + tok[:, None] * stride_s + offs_h[None, :] * stride_sh,
+                    mask=valid[:, None] & h_mask[None, :], other=0.0)
+        tl.store(dst_ptr + rows64[:, None] * stride_d + offs_h[None, :], v,
+                 mask=in_range[:, None] & h_mask[None, :])
 
 
 @triton.jit
@@ -104,15 +133,14 @@ def ds_kernel(ds_part_ptr, sorted_ptr, num_rows_ptr, dweights_ptr, n_slots, n_ti
 
 @triton.jit
 def weight_grad_kernel(
-    l_ptr, r_ptr, out_ptr, sorted_ptr, expert_ends_ptr,
-    n_slots, top_k, M, N, E,
-    stride_lr, stride_lm, stride_rr, stride_rn, stride_oe, stride_om, stride_on,
-    GATHER_L: tl.constexpr, GATHER_R: tl.constexpr,
+    l_ptr, r_ptr, out_ptr, expert_ends_ptr, M, N, E,
+    stride_lr, stride_rr, stride_oe, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """out[e] = sum over expert e's rows of L[row]^T R[row] ([M, N]), rows walked in order.
-    GATHER_*: that operand is indexed by token (slot // top_k) instead of by aligned row."""
+    """out[e] = sum over expert e's padded aligned rows of L[row]^T R[row] ([M, N]), rows walked
+    in order. L and R are in aligned-row order with zero padding rows, and BLOCK_K divides the
+    alignment's block_m, so the row loop needs no masks and no indirection."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
@@ -125,20 +153,16 @@ def weight_grad_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    l_ptrs = l_ptr + (row_start + offs_k).to(tl.int64)[None, :] * stride_lr + offs_m[:, None]
+    r_ptrs = r_ptr + (row_start + offs_k).to(tl.int64)[:, None] * stride_rr + offs_n[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for r0 in range(row_start, row_end, BLOCK_K):
-        rows = r0 + tl.arange(0, BLOCK_K)
-        in_range = rows < row_end
-        slots = tl.load(sorted_ptr + rows, mask=in_range, other=n_slots)
-        valid = in_range & (slots < n_slots)
-        tok = slots.to(tl.int64) // top_k
-        l_idx = tok if GATHER_L else rows.to(tl.int64)
-        r_idx = tok if GATHER_R else rows.to(tl.int64)
-        lt = tl.load(l_ptr + l_idx[None, :] * stride_lr + offs_m[:, None] * stride_lm,
-                     mask=valid[None, :] & m_mask[:, None], other=0.0)      # [BLOCK_M, BLOCK_K]
-        r = tl.load(r_ptr + r_idx[:, None] * stride_rr + offs_n[None, :] * stride_rn,
-                    mask=valid[:, None] & n_mask[None, :], other=0.0)       # [BLOCK_K, BLOCK_N]
+    for _ in range(row_start, row_end, BLOCK_K):
+        lt = tl.load(l_ptrs, mask=m_mask[:, None], other=0.0)      # [BLOCK_M, BLOCK_K]
+        r = tl.load(r_ptrs, mask=n_mask[None, :], other=0.0)       # [BLOCK_K, BLOCK_N]
         acc = tl.dot(lt.to(r.dtype), r, acc, input_precision=DOT_PRECISION)
+        l_ptrs += BLOCK_K * stride_lr
+        r_ptrs += BLOCK_K * stride_rr
     tl.store(out_ptr + e.to(tl.int64) * stride_oe + offs_m[:, None].to(tl.int64) * stride_om
              + offs_n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])

@@ -4,8 +4,9 @@ The forward's alignment is recomputed (deterministic, a few small launches). The
 z = W13_e x is either saved by the training forward (`z`, [max_rows, 2I] in the input dtype:
 2*I elements per aligned row, see moe_ops.launch.dispatch.dispatch_train_triton) or recomputed
 here (one extra gate+up GEMM, 2/3 of the forward's flops, and no activation memory).
-Scratch during backward, per aligned row: dz [2I] + s*a [I] in the input dtype, the per-slot dx
-[H] in the input dtype, and n_tiles float32 partials of ds."""
+Scratch during backward, per aligned row: hidden and grad_out gathered into row order [2H], dz
+[2I] + s*a [I] in the input dtype, the per-slot dx [H] in the input dtype, and n_tiles float32
+partials of ds."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,8 @@ import triton
 
 from moe_ops._runtime import kernel_for
 from moe_ops.kernels.expert_gemm import combine_kernel, down_kernel
-from moe_ops.kernels.expert_gemm_backward import act_grad_kernel, ds_kernel, weight_grad_kernel
+from moe_ops.kernels.expert_gemm_backward import (act_grad_kernel, ds_kernel, gather_rows_kernel,
+                                                  weight_grad_kernel)
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import _dot_precision
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
@@ -46,14 +48,16 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     stages = bc.num_stages
     n_tiles = triton.cdiv(I, bc.act_n)
 
+    xs = gather_rows_triton(hidden, al, n_slots, K)
+    gos = gather_rows_triton(grad_out, al, n_slots, K)
     dz = torch.empty(al.max_rows, 2 * I, dtype=dt, device=dev)
     sa = torch.empty(al.max_rows, I, dtype=dt, device=dev)
     ds_part = torch.empty(al.max_rows, n_tiles, dtype=torch.float32, device=dev)
     kernel_for(act_grad_kernel, dev)[(n_blocks * n_tiles,)](
-        hidden, grad_out, w13, w2, topk_weights, al.sorted_slots, al.block_expert, al.num_rows,
+        xs, gos, w13, w2, topk_weights, al.sorted_slots, al.block_expert, al.num_rows,
         dz, sa, ds_part,
         n_slots, H, I, K, n_blocks,
-        hidden.stride(0), hidden.stride(1), grad_out.stride(0), grad_out.stride(1),
+        xs.stride(0), gos.stride(0),
         w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
         topk_weights.stride(0), topk_weights.stride(1), dz.stride(0), sa.stride(0),
         ds_part.stride(0), z if z is not None else dz, z.stride(0) if z is not None else 0,
@@ -68,8 +72,10 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     )
 
     # dW2_e [H, I] = sum_rows dO[t]^T (s a)[row];  dW13_e [2I, H] = sum_rows dz[row]^T x[t]
-    weight_grad_triton(grad_out, sa, dw2, al, n_slots, K, True, False, bc, prec)
-    weight_grad_triton(dz, hidden, dw13, al, n_slots, K, False, True, bc, prec)
+    weight_grad_triton(gos, sa, dw2, al, bc, prec)
+    del gos
+    weight_grad_triton(dz, xs, dw13, al, bc, prec)
+    del xs
 
     # dx: per-slot dz[row] @ W13_e ([2I] x [2I, H]), then the forward's deterministic combine.
     dxs = torch.empty(n_slots, H, dtype=dt, device=dev)
@@ -90,15 +96,31 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     return dx, dw13, dw2, dweights
 
 
-def weight_grad_triton(left, right, out, al, n_slots, top_k, gather_l, gather_r, bc, prec):
-    """out[e] ([M, N]) = sum over expert e's aligned rows of left[row]^T right[row]; an operand
-    with gather_* set is indexed by token (slot // top_k) instead of by aligned row."""
+def gather_rows_triton(src, al, n_slots, top_k):
+    """src rows in aligned-row order ([max_rows, H]; padding rows zero, rows past the device-side
+    row count left unwritten: no kernel reads them)."""
+    H = src.shape[1]
+    dst = torch.empty(al.max_rows, H, dtype=src.dtype, device=src.device)
+    block_r = 16
+    kernel_for(gather_rows_kernel, src.device)[(triton.cdiv(al.max_rows, block_r),)](
+        src, al.sorted_slots, al.num_rows, dst, n_slots, top_k, H,
+        src.stride(0), src.stride(1), dst.stride(0),
+        BLOCK_R=block_r, BLOCK_H=min(512, triton.next_power_of_2(H)), num_warps=4,
+    )
+    return dst
+
+
+def weight_grad_triton(left, right, out, al, bc, prec):
+    """out[e] ([M, N]) = sum over expert e's padded aligned rows of left[row]^T right[row];
+    left and right are contiguous, in aligned-row order, with zero padding rows."""
     E, M, N = out.shape
+    bk = min(bc.wg_k, al.block_m)
+    if al.block_m % bk:
+        raise ValueError(f"weight-gradient step {bk} must divide block_m {al.block_m}")
     kernel_for(weight_grad_kernel, out.device)[
             (E * triton.cdiv(M, bc.wg_m) * triton.cdiv(N, bc.wg_n),)](
-        left, right, out, al.sorted_slots, al.expert_ends, n_slots, top_k, M, N, E,
-        left.stride(0), left.stride(1), right.stride(0), right.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        GATHER_L=gather_l, GATHER_R=gather_r, BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n,
-        BLOCK_K=bc.wg_k, DOT_PRECISION=prec, num_warps=bc.wg_warps, num_stages=bc.num_stages,
+        left, right, out, al.expert_ends, M, N, E,
+        left.stride(0), right.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, DOT_PRECISION=prec,
+        num_warps=bc.wg_warps, num_stages=bc.num_stages,
     )

@@ -39,13 +39,16 @@ if _HERE not in sys.path:
 
 import bench_moe as bm  # noqa: E402  (puts the repo root on sys.path, imports moe_ops)
 import baselines as bl  # noqa: E402
+import moe_ops  # noqa: E402
 from moe_ops.reference import dispatch_backward_reference  # noqa: E402
 
 SHAPE_NAMES = ["mixtral_8x7b", "qwen3_30b_a3b", "qwen3_30b_a3b_zipf", "deepseek_v3_routed"]
 TOKENS = [2048, 8192, 16384, 32768]
 TINY_TOKENS = [64, 256]
-IMPLS = ["moe_ops", "torch_grouped_mm", "hf_grouped_mm"]
-SHORT = {"moe_ops": "moe_ops", "torch_grouped_mm": "torch_gmm", "hf_grouped_mm": "hf_gmm"}
+IMPLS = ["moe_ops", "moe_ops_recompute", "torch_grouped_mm", "hf_grouped_mm"]
+SHORT = {"moe_ops": "moe_ops", "moe_ops_recompute": "mo_recomp", "torch_grouped_mm": "torch_gmm",
+         "hf_grouped_mm": "hf_gmm"}
+OURS = ("moe_ops", "moe_ops_recompute")
 GRAD_NAMES = ["hidden", "w13", "w2", "weights"]
 TOLERANCE = 3e-2            # relative error per gradient against the float32 reference
 DTYPE = torch.bfloat16
@@ -59,6 +62,18 @@ GiB = 2 ** 30
 
 def _make_moe_ops(hidden, w13, w2, tw, ids32, ids64):
     return (lambda: torch.ops.moe.dispatch(hidden, w13, w2, tw, ids32)), [hidden, w13, w2, tw]
+
+
+def _make_moe_ops_recompute(hidden, w13, w2, tw, ids32, ids64):
+    # moe_ops.set_recompute(True) while the forward runs: only the inputs are saved and the
+    # backward recomputes z = W13_e x (the memory/compute trade the peak column measures).
+    def forward():
+        previous = moe_ops.set_recompute(True)
+        try:
+            return torch.ops.moe.dispatch(hidden, w13, w2, tw, ids32)
+        finally:
+            moe_ops.set_recompute(previous)
+    return forward, [hidden, w13, w2, tw]
 
 
 def _make_torch_gmm(hidden, w13, w2, tw, ids32, ids64):
@@ -92,6 +107,7 @@ TRAIN_IMPLS = {
     # Plain-torch backward today: float32 dW13/dW2 (2x the bf16 weight bytes) before the cast;
     # a Triton backward needs far less (the linear fit from measured steps takes over).
     "moe_ops": TrainImpl("moe_ops", _make_moe_ops, 4, 8, 2.0),
+    "moe_ops_recompute": TrainImpl("moe_ops_recompute", _make_moe_ops_recompute, 4, 8, 2.0),
     # saved x, h, silu(g), a, y (bf16) + float32 y*w and its grad + grads of y, a, h, x
     "torch_grouped_mm": TrainImpl("torch_grouped_mm", _make_torch_gmm, 16, 16, 0.0),
     # as above plus float32 weighted_out and its permuted copy ([S, H] each) and their grads
@@ -100,7 +116,7 @@ TRAIN_IMPLS = {
 
 
 def availability(name: str, device: torch.device) -> tuple[bool, str]:
-    if name == "moe_ops":
+    if name in OURS:
         return True, ""
     ok, why = bl.grouped_mm_status(device, DTYPE)
     if not ok:
@@ -345,7 +361,7 @@ def fmt_cell(c: Cell, r: Result) -> str:
 
 
 def best_baseline(c: Cell) -> Optional[Result]:
-    ok = [r for n, r in c.results.items() if n != "moe_ops" and r.status == "ok" and r.timed]
+    ok = [r for n, r in c.results.items() if n not in OURS and r.status == "ok" and r.timed]
     return min(ok, key=lambda r: r.ms) if ok else None
 
 

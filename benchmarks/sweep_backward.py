@@ -27,11 +27,9 @@ def variants(base):
         "default": base,
         "old(64x64x32 wg, 64 dx)": r(base, wg_m=64, wg_n=64, wg_k=32, dx_n=64),
         "wg 128x256": r(base, wg_n=256),
-        "wg 4 stages": r(base, num_stages=4),
+        "4 stages": r(base, num_stages=4),
         "act n128": r(base, act_n=128),
-        "dx n256": r(base, dx_n=256),
-        "act n128 s4": r(base, act_n=128, num_stages=4),
-        "act k128": r(base, act_k=128),
+        "act k64": r(base, act_k=64),
         "wg 256x128": r(base, wg_m=256),
         "wg 128x64": r(base, wg_n=64),
         "wg w4": r(base, wg_warps=4),
@@ -51,6 +49,7 @@ def kernel_times(fn, n=3):
 
 
 def rel(a, b):
+    a, b = a[:4], b[:4]   # the first rows / experts: a float32 copy of a DeepSeek dW13 is 28 GiB
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 

@@ -16,6 +16,28 @@ def checks_enabled() -> bool:
     return os.environ.get("MOE_OPS_CHECK", "0") not in ("", "0")
 
 
+_recompute: bool | None = None
+
+
+def recompute_enabled() -> bool:
+    """Training memory mode of moe.dispatch (set_recompute / MOE_OPS_RECOMPUTE=1)."""
+    if _recompute is None:
+        return os.environ.get("MOE_OPS_RECOMPUTE", "0") not in ("", "0")
+    return _recompute
+
+
+def set_recompute(enabled: bool | None) -> bool:
+    """Whether the backward of moe.dispatch recomputes the SwiGLU pre-activation z = W13_e x
+    (no activation memory, one extra gate+up GEMM: +2/3 of the forward's flops) instead of
+    saving it in the forward (T*K*2I elements of the input dtype per MoE layer). Default: save;
+    None restores the default (MOE_OPS_RECOMPUTE). Read when the forward runs (under
+    torch.compile: when it is traced). Returns the previous setting."""
+    global _recompute
+    previous = recompute_enabled()
+    _recompute = None if enabled is None else bool(enabled)
+    return previous
+
+
 def use_triton(t: torch.Tensor) -> bool:
     if t.device.type == "cuda":
         return True

@@ -299,8 +299,9 @@ def _sections(pairs) -> str:
 @pytest.mark.skipif(expecttest is None, reason="needs expecttest")
 class TestInductorGraphs(expecttest.TestCase if expecttest else unittest.TestCase):
     def test_post_grad_graphs(self):
-        """What Inductor lowers: RMSNorm and router matmul around opaque moe.route/moe.dispatch
-        forward; moe.dispatch_backward plus the routing weights' softmax backward."""
+        """What Inductor lowers: RMSNorm and router matmul around opaque moe.route and
+        moe.dispatch_train (moe.dispatch with its saved pre-activation z, [T*K, 2I]) forward;
+        moe.dispatch_backward_saved plus the routing weights' softmax backward."""
         self.assertExpectedInline(_sections(inductor_compiled_block().post_grad), """\
 == forward
 aten.pow.Tensor_Scalar -> float32[u0, 32]
@@ -312,10 +313,10 @@ aten.mul.Tensor -> float32[u0, 32]
 aten.permute.default -> float32[32, 8]
 aten.mm.default -> float32[u0, 8]
 moe.route.default -> (float32[u0, 2], int32[u0, 2])
-moe.dispatch.default -> float32[u0, 32]
+moe.dispatch_train.default -> (float32[u0, 32], float32[2*u0, 80])
 aten.add.Tensor -> float32[u0, 32]
 == backward
-moe.dispatch_backward.default -> (float32[u0, 32], float32[8, 80, 32], float32[8, 32, 40], float32[u0, 2])
+moe.dispatch_backward_saved.default -> (float32[u0, 32], float32[8, 80, 32], float32[8, 32, 40], float32[u0, 2])
 aten.amax.default -> float32[u0, 1]
 aten.sub.Tensor -> float32[u0, 8]
 aten.exp.default -> float32[u0, 8]
@@ -369,10 +370,10 @@ aten.add.Tensor -> float32[u0, 32]""")
 cpp_fused_add_mean_mul_pow_rsqrt_0
 extern_kernels.mm
 torch.ops.moe.route.default
-torch.ops.moe.dispatch.default
+torch.ops.moe.dispatch_train.default
 cpp_fused_add_1
 == backward
-torch.ops.moe.dispatch_backward.default
+torch.ops.moe.dispatch_backward_saved.default
 cpp_fused__softmax__to_copy_div_gather_mul_scatter_add_sub_sum_zeros_like_0
 aten.scatter_reduce_.two
 cpp_fused__softmax_mul_sub_sum_1

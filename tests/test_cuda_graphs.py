@@ -226,7 +226,8 @@ def test_aoti_package_loads_and_matches_eager_subprocess(tmp_path):
     tests_dir = str(Path(__file__).resolve().parent)
     code = ("import sys, pathlib; sys.path.insert(0, %r); import test_cuda_graphs as m; "
             "m._aoti_check(pathlib.Path(%r))" % (tests_dir, str(tmp_path)))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True,
+                       text=True, timeout=900,
                        cwd=str(Path(__file__).resolve().parents[1]))
     assert r.returncode == 0, (f"AOTInductor check exited with {r.returncode} "
                                f"(negative = killed by that signal)\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
@@ -238,8 +239,11 @@ def _aoti_check(tmp_path):
     with torch.no_grad():
         ep = torch.export.export(block, (randn(8, H, gen=gen),),
                                  dynamic_shapes=({0: Dim("T", max=1 << 16)},))
+        print("aoti: exported", flush=True)
         path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "moe_block.pt2"))
+        print("aoti: packaged", flush=True)
         runner = torch._inductor.aoti_load_package(path)
+        print("aoti: loaded", flush=True)
         comparison = RoutingAwareComparison()
         for T in (1, 8, 37, 300):
             x = randn(T, H, gen=gen)

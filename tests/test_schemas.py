@@ -18,7 +18,8 @@ STUB = ROOT / "csrc_stubs" / "moe_ops_stubs.cpp"
 
 def python_schemas():
     return {name: str(getattr(torch.ops.moe, name).default._schema)
-            for name in ("route", "dispatch", "dispatch_backward")}
+            for name in ("route", "dispatch", "dispatch_backward", "dispatch_train",
+                         "dispatch_backward_saved")}
 
 
 def stub_schemas():

@@ -2,7 +2,7 @@
 
 gate_up_kernel: act[row] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T), gathering token rows
   through sorted_slots (no permuted copy of hidden); SwiGLU in float32 registers. With SAVE_Z
-  (training) it also stores the pre-activation z[row] = [g | u] for the backward.
+  (training) it also stores the pre-activation z[slot] = [g | u] for the backward.
 down_kernel: y[slot] = topk_weight[slot] * (act[row] @ w2[e].T), written per slot (also the
   backward's dx rows, dz[row] @ w13[e], with HAS_WEIGHTS=False).
 combine_kernel: out[t] = sum over k in order 0..K-1 of y[t*K + k] for valid ids: deterministic,
@@ -81,8 +81,8 @@ def gate_up_kernel(
     m2 = row_valid[:, None] & n_mask[None, :]
     tl.store(act_ptr + rows64[:, None] * stride_am + offs_n[None, :],
              act.to(act_ptr.dtype.element_ty), mask=m2)
-    if SAVE_Z:   # training: keep z = [g | u] (rounded to the input dtype) for the backward
-        z_ptrs = z_ptr + rows64[:, None] * stride_z + offs_n[None, :]
+    if SAVE_Z:   # training: keep z = [g | u] per slot (in the input dtype) for the backward
+        z_ptrs = z_ptr + slots.to(tl.int64)[:, None] * stride_z + offs_n[None, :]
         tl.store(z_ptrs, acc_g.to(z_ptr.dtype.element_ty), mask=m2)
         tl.store(z_ptrs + I, acc_u.to(z_ptr.dtype.element_ty), mask=m2)
 

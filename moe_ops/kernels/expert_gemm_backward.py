@@ -49,14 +49,6 @@ def act_grad_kernel(
     n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     m2 = row_valid[:, None] & n_mask[None, :]
-    if HAS_Z:   # z saved by the forward
-        z_ptrs = z_ptr + rows64[:, None] * stride_z + offs_n[None, :]
-        g = tl.load(z_ptrs, mask=m2, other=0.0).to(tl.float32)
-        u = tl.load(z_ptrs + I, mask=m2, other=0.0).to(tl.float32)
-    else:       # recompute z = x W13_e^T for the gate and up columns of this tile
-        g, u = gate_up_tile(xs_ptr, w13_ptr, rows64, row_valid, e, pid_n, H, I,
-                            stride_xs, 1, stride_13e, stride_13n, stride_13k,
-                            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     # dA = dO W2_e[:, tile]
     go_ptrs = gos_ptr + rows64[:, None] * stride_gs + offs_k[None, :]
     w2_ptrs = (w2_ptr + e * stride_2e + offs_k[:, None].to(tl.int64) * stride_2h
@@ -69,6 +61,15 @@ def act_grad_kernel(
         dA = tl.dot(go.to(w2.dtype), w2, dA, input_precision=DOT_PRECISION)
         go_ptrs += BLOCK_K
         w2_ptrs += BLOCK_K * stride_2h
+    # z after the dA loop, so that only one float32 tile is live across a reduction loop
+    if HAS_Z:   # z saved by the forward
+        z_ptrs = z_ptr + slots64[:, None] * stride_z + offs_n[None, :]
+        g = tl.load(z_ptrs, mask=m2, other=0.0).to(tl.float32)
+        u = tl.load(z_ptrs + I, mask=m2, other=0.0).to(tl.float32)
+    else:       # recompute z = x W13_e^T for the gate and up columns of this tile
+        g, u = gate_up_tile(xs_ptr, w13_ptr, rows64, row_valid, e, pid_n, H, I,
+                            stride_xs, 1, stride_13e, stride_13n, stride_13k,
+                            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     s = tl.load(weights_ptr + tok * stride_tw_t + (slots64 % top_k) * stride_tw_k,
                 mask=row_valid, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-g))

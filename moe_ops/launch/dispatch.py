@@ -19,8 +19,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", config=None,
                     out=None, save_z=False):
     """`out` (internal, for tests that poison outputs) must be a fresh [T, H] buffer.
-    save_z (training): also return z = [g | u], the pre-activation per aligned row
-    ([max_rows, 2I], input dtype) that dispatch_backward_triton(z=...) consumes."""
+    save_z (training): also return z = [g | u], the pre-activation per slot ([T*K, 2I], input
+    dtype; rows of ids < 0 unwritten) that dispatch_backward_triton(z=...) consumes."""
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
@@ -35,7 +35,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     n_blocks = al.max_rows // cfg.block_m
     precision = _dot_precision(hidden.dtype)
     act = torch.empty(al.max_rows, I, dtype=hidden.dtype, device=dev)
-    z = torch.empty(al.max_rows, 2 * I, dtype=hidden.dtype, device=dev) if save_z else act
+    z = torch.empty(T * K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else act
     kernel_for(gate_up_kernel, dev)[(n_blocks * triton.cdiv(I, cfg.block_n1),)](
         hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, K,

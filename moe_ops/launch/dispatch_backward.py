@@ -1,9 +1,9 @@
 """Host side of the Triton backward of moe.dispatch (kernels: moe_ops.kernels.expert_gemm_backward).
 
 The forward's alignment is recomputed (deterministic, a few small launches). The pre-activation
-z = W13_e x is either saved by the training forward (`z`, [max_rows, 2I] in the input dtype:
-2*I elements per aligned row, see moe_ops.launch.dispatch.dispatch_train_triton) or recomputed
-here (one extra gate+up GEMM, 2/3 of the forward's flops, and no activation memory).
+z = W13_e x is either saved by the training forward (`z`, [T*K, 2I] in the input dtype: 2*K*I
+elements per token, see dispatch_triton(save_z=True)) or recomputed here (one extra gate+up GEMM,
+2/3 of the forward's flops, and no activation memory).
 Scratch during backward, per aligned row: hidden and grad_out gathered into row order [2H], dz
 [2I] + s*a [I] in the input dtype, the per-slot dx [H] in the input dtype, and n_tiles float32
 partials of ds."""
@@ -23,8 +23,7 @@ from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
 def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation="silu",
                              z=None, config=None, bwd_config=None):
-    """`z`: the pre-activation saved by the training forward (None: recompute it). `config` must
-    be the forward's config when `z` is given (its block_m fixes the row layout of z)."""
+    """`z`: the pre-activation [T*K, 2I] saved by the training forward (None: recompute it)."""
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
@@ -40,8 +39,8 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     bc = bwd_config or backward_config(cfg, dev.type, dt)
     bm = cfg.block_m
     al = align_triton(topk_ids, E, bm)
-    if z is not None and z.shape[0] != al.max_rows:
-        raise ValueError(f"saved z has {z.shape[0]} rows, the alignment {al.max_rows}")
+    if z is not None and tuple(z.shape) != (T * K, 2 * I):
+        raise ValueError(f"saved z has shape {tuple(z.shape)}, expected {(T * K, 2 * I)}")
     n_slots = T * K
     n_blocks = al.max_rows // bm
     prec = _dot_precision(dt)

@@ -1,13 +1,18 @@
-"""moe::dispatch (and the internal moe::dispatch_backward): schema, fake, autograd, device
-dispatch."""
+"""moe::dispatch (and the internal moe::dispatch_train, moe::dispatch_backward,
+moe::dispatch_backward_saved): schema, fake, autograd, device dispatch.
+
+Autograd: with inputs that need gradients, moe.dispatch runs as moe.dispatch_train, which also
+returns the SwiGLU pre-activation z [T*K, 2I] for moe.dispatch_backward_saved; with
+set_recompute(True) it saves only its inputs and moe.dispatch_backward recomputes z."""
 from __future__ import annotations
 
 import torch
 
-from moe_ops._runtime import use_triton
-from moe_ops.ops._registry import define
+from moe_ops._runtime import recompute_enabled, use_triton
+from moe_ops.ops._registry import _lib, define
 from moe_ops.ops.checks import check_dispatch, check_ids_in_range, check_tensor_args
-from moe_ops.reference.dispatch import dispatch_backward_reference, dispatch_reference
+from moe_ops.reference.dispatch import (dispatch_backward_reference, dispatch_reference,
+                                        dispatch_z_reference)
 
 DISPATCH_SCHEMA = (
     "dispatch(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
@@ -18,8 +23,19 @@ DISPATCH_BACKWARD_SCHEMA = (
     'Tensor topk_weights, Tensor topk_ids, str activation="silu") '
     "-> (Tensor grad_hidden, Tensor grad_w13, Tensor grad_w2, Tensor grad_topk_weights)"
 )
+DISPATCH_TRAIN_SCHEMA = (
+    "dispatch_train(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+    'str activation="silu") -> (Tensor out, Tensor z)'
+)
+DISPATCH_BACKWARD_SAVED_SCHEMA = (
+    "dispatch_backward_saved(Tensor grad_out, Tensor z, Tensor hidden, Tensor w13, Tensor w2, "
+    'Tensor topk_weights, Tensor topk_ids, str activation="silu") '
+    "-> (Tensor grad_hidden, Tensor grad_w13, Tensor grad_w2, Tensor grad_topk_weights)"
+)
 DISPATCH = define(DISPATCH_SCHEMA)
 DISPATCH_BACKWARD = define(DISPATCH_BACKWARD_SCHEMA)
+DISPATCH_TRAIN = define(DISPATCH_TRAIN_SCHEMA)
+DISPATCH_BACKWARD_SAVED = define(DISPATCH_BACKWARD_SAVED_SCHEMA)
 
 
 @torch.library.register_kernel(DISPATCH, ("cpu", "cuda"))
@@ -72,22 +88,96 @@ def _dispatch_backward_fake(grad_out, hidden, w13, w2, topk_weights, topk_ids, a
             topk_weights.new_empty(topk_weights.shape))
 
 
-def _dispatch_setup_context(ctx, inputs, output):
-    hidden, w13, w2, topk_weights, topk_ids, activation = inputs
-    ctx.save_for_backward(hidden, w13, w2, topk_weights, topk_ids)
-    ctx.activation = activation
+@torch.library.register_kernel(DISPATCH_TRAIN, ("cpu", "cuda"))
+def _dispatch_train_impl(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+    check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation)
+    check_ids_in_range(topk_ids, w13.shape[0])
+    if use_triton(hidden) and hidden.dtype != torch.float64:
+        from moe_ops.launch.dispatch import dispatch_triton
+
+        if _interpreted_bf16(hidden):
+            out, z = dispatch_triton(*_upcast(hidden, w13, w2, topk_weights), topk_ids, activation,
+                                     save_z=True)
+            return out.to(hidden.dtype), z.to(hidden.dtype)
+        return dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation, save_z=True)
+    return (dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activation),
+            dispatch_z_reference(hidden, w13, topk_ids))
 
 
-def _dispatch_backward(ctx, grad_out):
-    hidden, w13, w2, topk_weights, topk_ids = ctx.saved_tensors
-    gx, g13, g2, gw = torch.ops.moe.dispatch_backward(
-        grad_out.contiguous(), hidden, w13, w2, topk_weights, topk_ids, ctx.activation)
-    need = ctx.needs_input_grad
-    return (gx if need[0] else None, g13 if need[1] else None, g2 if need[2] else None,
-            gw if need[3] else None, None, None)
+@torch.library.register_fake(DISPATCH_TRAIN)
+def _dispatch_train_fake(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+    check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation)
+    return (hidden.new_empty(hidden.shape),
+            hidden.new_empty(hidden.shape[0] * topk_ids.shape[1], w13.shape[1]))
 
 
-torch.library.register_autograd(DISPATCH, _dispatch_backward, setup_context=_dispatch_setup_context)
+@torch.library.register_kernel(DISPATCH_BACKWARD_SAVED, ("cpu", "cuda"))
+def _dispatch_backward_saved_impl(grad_out, z, hidden, w13, w2, topk_weights, topk_ids,
+                                  activation="silu"):
+    if use_triton(hidden) and hidden.dtype != torch.float64:
+        from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+
+        if _interpreted_bf16(hidden):
+            grads = dispatch_backward_triton(*_upcast(grad_out, hidden, w13, w2, topk_weights),
+                                             topk_ids, activation, z=z.float())
+            return tuple(g.to(t.dtype) for g, t in zip(grads, (hidden, w13, w2, topk_weights)))
+        return dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids,
+                                        activation, z=z)
+    # The reference recomputes z in float32/float64 (z is a cache of W13_e x).
+    return dispatch_backward_reference(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation)
+
+
+@torch.library.register_fake(DISPATCH_BACKWARD_SAVED)
+def _dispatch_backward_saved_fake(grad_out, z, hidden, w13, w2, topk_weights, topk_ids,
+                                  activation="silu"):
+    return _dispatch_backward_fake(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation)
+
+
+class _DispatchFunction(torch.autograd.Function):
+    """Autograd of moe.dispatch (see the module docstring). `keyset`: the dispatch keys below
+    Autograd, to run the plain op's kernels when recomputing."""
+
+    @staticmethod
+    def forward(ctx, hidden, w13, w2, topk_weights, topk_ids, activation, keyset):
+        with torch._C._AutoDispatchBelowAutograd():
+            if recompute_enabled():
+                out = _DISPATCH_OP.redispatch(keyset, hidden, w13, w2, topk_weights, topk_ids,
+                                              activation)
+                z = None
+            else:
+                out, z = torch.ops.moe.dispatch_train(hidden, w13, w2, topk_weights, topk_ids,
+                                                      activation)
+        ctx.save_for_backward(hidden, w13, w2, topk_weights, topk_ids, z)
+        ctx.activation = activation
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, w13, w2, topk_weights, topk_ids, z = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        if z is None:
+            gx, g13, g2, gw = torch.ops.moe.dispatch_backward(
+                grad_out, hidden, w13, w2, topk_weights, topk_ids, ctx.activation)
+        else:
+            gx, g13, g2, gw = torch.ops.moe.dispatch_backward_saved(
+                grad_out, z, hidden, w13, w2, topk_weights, topk_ids, ctx.activation)
+        need = ctx.needs_input_grad
+        return (gx if need[0] else None, g13 if need[1] else None, g2 if need[2] else None,
+                gw if need[3] else None, None, None, None)
+
+
+_DISPATCH_OP = torch.ops.moe.dispatch.default
+
+
+def _dispatch_autograd(keyset, hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+    below = keyset & torch._C._after_autograd_keyset
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(hidden, w13, w2, topk_weights):
+        return _DispatchFunction.apply(hidden, w13, w2, topk_weights, topk_ids, activation, below)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _DISPATCH_OP.redispatch(below, hidden, w13, w2, topk_weights, topk_ids, activation)
+
+
+_lib.impl("dispatch", _dispatch_autograd, "Autograd", with_keyset=True)
 
 
 def dispatch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -37,6 +37,18 @@ def dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activation="silu
     return out.to(hidden.dtype)
 
 
+def dispatch_z_reference(hidden, w13, topk_ids):
+    """z = [g | u] = W13_e x_t per slot ([T*K, 2I], the input dtype; zeros for ids < 0): what
+    the training forward saves for the backward."""
+    T, H = hidden.shape
+    E = w13.shape[0]
+    cd = _compute_dtype(hidden.dtype)
+    z = torch.zeros(topk_ids.numel(), w13.shape[1], dtype=cd, device=hidden.device)
+    for e, slots, tok in _expert_slots(topk_ids, E):
+        z[slots] = hidden[tok].to(cd) @ w13[e].to(cd).t()
+    return z.to(hidden.dtype)
+
+
 def dispatch_backward_reference(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
     """(d hidden, d w13, d w2, d topk_weights) for `dispatch_reference`."""
     T, H = hidden.shape

@@ -216,21 +216,53 @@ def test_ops_and_compiled_block_run_without_host_sync(monkeypatch):
 # AOTInductor
 
 
-def test_aoti_package_loads_and_matches_eager_subprocess(tmp_path):
-    """Runs the AOTInductor check in a child process: on the H200 with torch 2.11.0+cu130
-    (2026-11-29) `aoti_load_package` of this package died with a segmentation fault, which would
-    otherwise take the whole test session down. A crash is reported as a failure."""
+def _run_child(code: str):
     import subprocess
     import sys
 
+    return subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True,
+                          text=True, timeout=900, cwd=str(Path(__file__).resolve().parents[1]))
+
+
+# A module without moe_ops ops, packaged and loaded in a process that never imports moe_ops.
+_AOTI_CONTROL = """
+import torch
+from torch.export import Dim
+class Plain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(256, 256))
+    def forward(self, x):
+        return (x @ self.w).relu() + 1
+m = Plain().cuda().eval()
+x = torch.randn(8, 256, device="cuda")
+with torch.no_grad():
+    ep = torch.export.export(m, (x,), dynamic_shapes=({0: Dim("T", max=1 << 16)},))
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=%r)
+    out = torch._inductor.aoti_load_package(path)(x)
+    torch.testing.assert_close(out, m(x))
+"""
+
+
+def test_aoti_package_loads_and_matches_eager_subprocess(tmp_path):
+    """Runs the AOTInductor check in a child process: a crash there must not take the test
+    session down. On the H200 with torch 2.11.0+cu130 (2026-11-29) `aoti_load_package` died with
+    a segmentation fault for every CUDA package, a plain matmul module in a process that never
+    imported moe_ops included. So when the check crashes, the same load is tried without moe_ops:
+    if that crashes too the test is skipped (the torch build cannot load CUDA AOTI packages);
+    otherwise the crash is moe_ops' and the test fails."""
     tests_dir = str(Path(__file__).resolve().parent)
-    code = ("import sys, pathlib; sys.path.insert(0, %r); import test_cuda_graphs as m; "
-            "m._aoti_check(pathlib.Path(%r))" % (tests_dir, str(tmp_path)))
-    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True,
-                       text=True, timeout=900,
-                       cwd=str(Path(__file__).resolve().parents[1]))
+    r = _run_child("import sys, pathlib; sys.path.insert(0, %r); import test_cuda_graphs as m; "
+                   "m._aoti_check(pathlib.Path(%r))" % (tests_dir, str(tmp_path)))
+    detail = f"{r.stdout[-3000:]}{r.stderr[-3000:]}"
+    if r.returncode < 0 and "aoti: packaged" in r.stdout and "aoti: loaded" not in r.stdout:
+        control = _run_child(_AOTI_CONTROL % str(tmp_path / "control.pt2"))
+        if control.returncode < 0:
+            pytest.skip(f"aoti_load_package crashes (signal {-control.returncode}) on this torch "
+                        f"{torch.__version__} build even for a module without moe_ops; the moe "
+                        "block was exported and packaged, not loaded or run")
     assert r.returncode == 0, (f"AOTInductor check exited with {r.returncode} "
-                               f"(negative = killed by that signal)\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+                               f"(negative = killed by that signal)\n{detail}")
 
 
 def _aoti_check(tmp_path):

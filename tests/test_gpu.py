@@ -172,10 +172,20 @@ def test_backward_gpu_matches_float64():
 BWD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
+def _backward(go, args, path):
+    """The two Triton backwards: z recomputed (moe.dispatch_backward) or saved by the training
+    forward (moe.dispatch_train + moe.dispatch_backward_saved, the default under autograd)."""
+    if path == "recompute":
+        return torch.ops.moe.dispatch_backward(go, *args)
+    _, z = torch.ops.moe.dispatch_train(*args)
+    return torch.ops.moe.dispatch_backward_saved(go, z, *args)
+
+
+@pytest.mark.parametrize("path", ["saved", "recompute"])
 @pytest.mark.parametrize("T", [128, 2048])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_backward_parity_benchmark_shapes(name, dtype, T):
+def test_backward_parity_benchmark_shapes(name, dtype, T, path):
     from moe_ops.reference import dispatch_backward_reference
 
     # DeepSeek-V3 at full E: weights + our grads + the reference's float32 grads (and float32
@@ -185,7 +195,7 @@ def test_backward_parity_benchmark_shapes(name, dtype, T):
     args = _inputs(name, T, dtype, seed=T + 1, num_experts=E)
     go = torch.randn(T, args[0].shape[1], device="cuda", dtype=dtype)
     _poison_allocator()
-    got = torch.ops.moe.dispatch_backward(go, *args)
+    got = _backward(go, args, path)
     ref = dispatch_backward_reference(go, *args)   # float32 expert by expert
     for label, a, r in zip(("hidden", "w13", "w2", "topk_weights"), got, ref):
         assert rel_err(a, r) <= BWD_RTOL[dtype], (label, rel_err(a, r))
@@ -193,13 +203,14 @@ def test_backward_parity_benchmark_shapes(name, dtype, T):
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("path", ["saved", "recompute"])
 @pytest.mark.parametrize("routing", ["skewed", "one_expert", "empty_experts", "negative"])
-def test_backward_parity_routings(routing):
+def test_backward_parity_routings(routing, path):
     from moe_ops.reference import dispatch_backward_reference
 
     args = _inputs("olmoe", 2048, torch.bfloat16, routing=routing, seed=13)
     go = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    got = torch.ops.moe.dispatch_backward(go, *args)
+    got = _backward(go, args, path)
     ref = dispatch_backward_reference(go, *args)
     for a, r in zip(got, ref):
         if r.norm() == 0:
@@ -217,11 +228,13 @@ def test_backward_large_offsets():
     args = make_dispatch_inputs(T, H, I, E, K, dtype=torch.bfloat16, device="cuda", generator=g,
                                 weight_std=0.02)
     go = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
-    got = torch.ops.moe.dispatch_backward(go, *args)
     ref = dispatch_backward_reference(go, *args)
-    for a, r in zip(got, ref):
-        assert rel_err(a, r) <= BWD_RTOL[torch.bfloat16]
-    assert rel_err(got[0][-64:], ref[0][-64:]) <= BWD_RTOL[torch.bfloat16]
+    for path in ("saved", "recompute"):
+        got = _backward(go, args, path)
+        for a, r in zip(got, ref):
+            assert rel_err(a, r) <= BWD_RTOL[torch.bfloat16], path
+        assert rel_err(got[0][-64:], ref[0][-64:]) <= BWD_RTOL[torch.bfloat16], path
+        del got
 
 
 def test_backward_bitwise_reproducible_and_no_host_sync():

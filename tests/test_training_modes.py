@@ -1,0 +1,508 @@
+"""Training modes of moe.dispatch: saved z (the default: moe.dispatch_train in the forward,
+moe.dispatch_backward_saved in the backward) and recompute (moe_ops.set_recompute(True) or
+MOE_OPS_RECOMPUTE=1: moe.dispatch, then moe.dispatch_backward).
+
+opcheck of the internal ops and of moe.dispatch in both modes; gradients against float64 oracles
+(torch reference and interpreted Triton kernels); which ops run; the saved z itself; T = 0.
+
+Random inputs come from a fresh seed per test, printed in every failure message; set
+MOE_OPS_TEST_SEED=<seed> to replay one."""
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import moe_ops
+from conftest import RTOL, needs_interpreter, rel_err
+from moe_ops.ops.samples import dispatch_samples, make_dispatch_inputs
+from moe_ops.reference.dispatch import dispatch_backward_reference, dispatch_z_reference
+
+MODES = ["saved", "recompute"]
+PATHS = ["reference_path", "interpreter"]
+# "mixed": empty experts and ids < 0 in one routing (see _inputs).
+ROUTINGS = ["uniform", "negative", "empty_experts", "one_expert", "skewed", "mixed"]
+OPS = {"saved": {"dispatch_train": 1, "dispatch_backward_saved": 1},
+       "recompute": {"dispatch": 1, "dispatch_backward": 1}}
+GRAD_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+NAMES = ("hidden", "w13", "w2", "topk_weights")
+
+
+def fresh_seed() -> int:
+    env = os.environ.get("MOE_OPS_TEST_SEED")
+    return int(env) if env else random.SystemRandom().randrange(2**31)
+
+
+@pytest.fixture(autouse=True)
+def _default_mode(monkeypatch):
+    """Every test starts from the default (saved) mode and leaves it restored."""
+    monkeypatch.delenv("MOE_OPS_RECOMPUTE", raising=False)
+    moe_ops.set_recompute(None)
+    yield
+    moe_ops.set_recompute(None)
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    moe_ops.set_recompute(request.param == "recompute")
+    yield request.param
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts calls of torch.ops.moe.* that reach the dispatcher below Autograd."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "moe":
+            name = func.__name__.split(".")[0]
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _inputs(T, H, I, E, K, *, routing, seed, dtype=torch.float32, requires_grad=False,
+            ids_dtype=torch.int32):
+    g = torch.Generator().manual_seed(seed)
+    base = "empty_experts" if routing == "mixed" else routing
+    h, w13, w2, w, ids = make_dispatch_inputs(T, H, I, E, K, dtype=dtype, routing=base,
+                                              generator=g, ids_dtype=ids_dtype)
+    if routing == "mixed":
+        ids = ids.masked_fill(torch.rand(ids.shape, generator=g) < 0.3, -1)
+        ids[0, 0] = -1  # at least one dropped slot
+    if dtype == torch.float64:
+        w = w.double()  # float64 end to end (make_dispatch_inputs gives float32 topk_weights)
+    if requires_grad:
+        for t in (h, w13, w2, w):
+            t.requires_grad_(True)
+    return (h, w13, w2, w, ids), g
+
+
+def _poison_empty(monkeypatch):
+    """Every floating-point buffer made by torch.empty (in moe_ops' launchers too) starts as NaN,
+    so that an element read before it is written shows up."""
+    real = torch.empty
+
+    def empty(*a, **kw):
+        t = real(*a, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def _double(args):
+    return [a.detach().double() if a.is_floating_point() else a for a in args]
+
+
+def _dense_float64(hidden, w13, w2, w, ids):
+    """Differentiable float64 MoE written with masks, independently of moe_ops.reference."""
+    E, I = w13.shape[0], w2.shape[2]
+    out = torch.zeros_like(hidden)
+    for e in range(E):
+        sel = (ids.long() == e).to(hidden.dtype)          # [T, K]
+        coef = (w * sel).sum(1, keepdim=True)             # [T, 1] (repeated ids add up)
+        z = hidden @ w13[e].t()
+        a = F.silu(z[:, :I]) * z[:, I:]
+        out = out + coef * (a @ w2[e].t())
+    return out
+
+
+def _oracle_grads(args, go):
+    ref = [a.detach().double().requires_grad_(True) for a in args[:4]] + [args[4]]
+    _dense_float64(*ref).backward(go.double())
+    return [r.grad for r in ref[:4]]
+
+
+def _train_step(args, go):
+    """moe.dispatch forward + backward; returns (out, grads, op counts)."""
+    for a in args[:4]:
+        a.grad = None
+    with OpCounter() as c:
+        out = torch.ops.moe.dispatch(*args)
+        out.backward(go)
+    return out, [a.grad for a in args[:4]], c.counts
+
+
+def _assert_exact_zeros(args, grads, msg):
+    """Experts with no valid slot get exactly zero weight gradients; dropped slots (ids < 0) get
+    exactly zero routing-weight gradients."""
+    ids, E = args[4].long(), args[1].shape[0]
+    used = set(ids[ids >= 0].tolist())
+    for e in range(E):
+        if e not in used:
+            assert torch.equal(grads[1][e], torch.zeros_like(grads[1][e])), (msg, "w13", e)
+            assert torch.equal(grads[2][e], torch.zeros_like(grads[2][e])), (msg, "w2", e)
+    dropped = ids < 0
+    assert torch.equal(grads[3][dropped], torch.zeros_like(grads[3][dropped])), (msg, "dropped")
+
+
+def _check_grads(mode, routing, dtype, seed, T=13, H=17, I=11, E=6, K=2, ids_dtype=torch.int32,
+                 strided_hidden=False):
+    args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed, dtype=dtype, requires_grad=True,
+                      ids_dtype=ids_dtype)
+    if strided_hidden:   # same values, hidden.stride() == (1, T)
+        h = args[0].detach().t().contiguous().t().requires_grad_(True)
+        assert not h.is_contiguous()
+        args = (h,) + args[1:]
+    go = torch.randn(T, H, generator=g).to(dtype)
+    out, grads, counts = _train_step(args, go)
+    msg = f"seed={seed} mode={mode} routing={routing} dtype={dtype}"
+    assert counts == OPS[mode], (msg, counts)
+    assert rel_err(out, _dense_float64(*_double(args))) <= RTOL[dtype], msg
+    ref = _oracle_grads(args, go)
+    for name, a, r, gr in zip(NAMES, args[:4], ref, grads):
+        assert gr is not None and gr.shape == a.shape and gr.dtype == a.dtype, (msg, name)
+        err = rel_err(gr, r)
+        assert err <= GRAD_TOL[dtype], (msg, name, err)
+    _assert_exact_zeros(args, grads, msg)
+    return grads
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. opcheck
+
+
+@pytest.mark.parametrize("sample", [0, 2, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_opcheck_dispatch_train(reference_path, dtype, sample):
+    args, kw = dispatch_samples(dtype=dtype)[sample]
+    torch.library.opcheck(torch.ops.moe.dispatch_train.default, args, kw)
+
+
+@pytest.mark.parametrize("sample", [0, 2, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_opcheck_dispatch_backward_saved(reference_path, dtype, sample):
+    args, kw = dispatch_samples(dtype=dtype)[sample]
+    _, z = torch.ops.moe.dispatch_train(*args, **kw)
+    go = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(sample)).to(dtype)
+    torch.library.opcheck(torch.ops.moe.dispatch_backward_saved.default, (go, z, *args), kw)
+
+
+@pytest.mark.parametrize("sample", [0, 2, 4, 5])
+def test_opcheck_dispatch_requires_grad(reference_path, mode, sample):
+    args, kw = dispatch_samples(requires_grad=True)[sample]
+    torch.library.opcheck(torch.ops.moe.dispatch.default, args, kw)
+    assert moe_ops.set_recompute(None) == (mode == "recompute")  # opcheck kept the mode
+
+
+def test_opcheck_dispatch_requires_grad_interpreter(interpreter, mode):
+    args, kw = dispatch_samples(requires_grad=True)[4]   # ids < 0
+    torch.library.opcheck(torch.ops.moe.dispatch.default, args, kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. gradients against float64 oracles
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_gradients_reference_path(reference_path, mode, routing):
+    _check_grads(mode, routing, torch.float32, fresh_seed())
+
+
+@pytest.mark.parametrize("routing", ["negative", "mixed"])
+def test_gradients_reference_path_float64(reference_path, mode, routing):
+    seed = fresh_seed()
+    args, g = _inputs(7, 9, 5, 4, 2, routing=routing, seed=seed, dtype=torch.float64,
+                      requires_grad=True)
+    go = torch.randn(7, 9, generator=g, dtype=torch.float64)
+    _, grads, counts = _train_step(args, go)
+    assert counts == OPS[mode], (seed, counts)
+    ref = dispatch_backward_reference(go, *_double(args))
+    for name, gr, r in zip(NAMES, grads, ref):
+        assert rel_err(gr, r) <= 1e-12, (seed, name, rel_err(gr, r))
+
+
+@pytest.mark.parametrize("routing", ["negative", "mixed"])
+def test_gradcheck_float64(reference_path, mode, routing):
+    seed = fresh_seed()
+    args, _ = _inputs(5, 6, 4, 3, 2, routing=routing, seed=seed, dtype=torch.float64,
+                      requires_grad=True)
+    diff = args[:4]
+    with OpCounter() as c:
+        out = torch.ops.moe.dispatch(*diff, args[4])
+        out.sum().backward()
+    assert c.counts == OPS[mode], (seed, c.counts)
+    assert torch.autograd.gradcheck(lambda *a: torch.ops.moe.dispatch(*a, args[4]), diff), seed
+
+
+@needs_interpreter
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gradients_interpreter(interpreter, mode, routing, dtype):
+    _check_grads(mode, routing, dtype, fresh_seed())
+
+
+@needs_interpreter
+def test_gradients_interpreter_several_tiles(interpreter, mode):
+    # rows per expert above one row block, H and I above one tile: multi-tile loops, one expert
+    # empty, some slots dropped.
+    _check_grads(mode, "mixed", torch.float32, fresh_seed(), T=20, H=40, I=37, E=3, K=2)
+
+
+@needs_interpreter
+def test_gradients_interpreter_int64_ids_strided_hidden(interpreter, mode):
+    _check_grads(mode, "mixed", torch.float32, fresh_seed(), ids_dtype=torch.int64,
+                 strided_hidden=True)
+
+
+@needs_interpreter
+def test_gradients_interpreter_bfloat16(interpreter, mode):
+    # interpreted bf16 runs on float32 copies; the saved z is kept in bf16
+    _check_grads(mode, "mixed", torch.bfloat16, fresh_seed())
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. which forward and backward ops run
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_default_mode_saves_z(path, request):
+    request.getfixturevalue(path)
+    args, g = _inputs(6, 8, 6, 4, 2, routing="negative", seed=fresh_seed(), requires_grad=True)
+    _, _, counts = _train_step(args, torch.randn(6, 8, generator=g))
+    assert counts == OPS["saved"], counts
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_recompute_mode_recomputes(path, request):
+    request.getfixturevalue(path)
+    assert moe_ops.set_recompute(True) is False
+    args, g = _inputs(6, 8, 6, 4, 2, routing="negative", seed=fresh_seed(), requires_grad=True)
+    _, _, counts = _train_step(args, torch.randn(6, 8, generator=g))
+    assert counts == OPS["recompute"], counts
+
+
+@pytest.mark.parametrize("env,expected", [("1", "recompute"), ("0", "saved"), ("", "saved")])
+def test_env_selects_mode(reference_path, monkeypatch, env, expected):
+    monkeypatch.setenv("MOE_OPS_RECOMPUTE", env)
+    moe_ops.set_recompute(None)
+    args, g = _inputs(5, 8, 6, 4, 2, routing="uniform", seed=fresh_seed(), requires_grad=True)
+    _, _, counts = _train_step(args, torch.randn(5, 8, generator=g))
+    assert counts == OPS[expected], (env, counts)
+
+
+def test_set_recompute_overrides_env(reference_path, monkeypatch):
+    monkeypatch.setenv("MOE_OPS_RECOMPUTE", "1")
+    moe_ops.set_recompute(False)
+    args, g = _inputs(5, 8, 6, 4, 2, routing="uniform", seed=fresh_seed(), requires_grad=True)
+    _, _, counts = _train_step(args, torch.randn(5, 8, generator=g))
+    assert counts == OPS["saved"], counts
+    moe_ops.set_recompute(None)    # back to the environment
+    _, _, counts = _train_step(args, torch.randn(5, 8, generator=g))
+    assert counts == OPS["recompute"], counts
+
+
+def test_set_recompute_returns_previous(monkeypatch):
+    assert moe_ops.set_recompute(True) is False    # default: save
+    assert moe_ops.set_recompute(True) is True
+    assert moe_ops.set_recompute(False) is True
+    assert moe_ops.set_recompute(None) is False
+    monkeypatch.setenv("MOE_OPS_RECOMPUTE", "1")
+    assert moe_ops.set_recompute(False) is True    # None in effect: the environment's setting
+    assert moe_ops.set_recompute(None) is False
+    assert moe_ops.set_recompute(None) is True
+    monkeypatch.setenv("MOE_OPS_RECOMPUTE", "0")
+    assert moe_ops.set_recompute(None) is False
+
+
+def test_mode_is_read_when_forward_runs(reference_path):
+    seed = fresh_seed()
+    args, g = _inputs(6, 8, 6, 4, 2, routing="negative", seed=seed, requires_grad=True)
+    go = torch.randn(6, 8, generator=g)
+    for fwd_mode, bwd_mode in (("saved", "recompute"), ("recompute", "saved")):
+        moe_ops.set_recompute(fwd_mode == "recompute")
+        with OpCounter() as c:
+            out = torch.ops.moe.dispatch(*args)
+            moe_ops.set_recompute(bwd_mode == "recompute")
+            out.backward(go)
+        assert c.counts == OPS[fwd_mode], (seed, fwd_mode, c.counts)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_no_grad_runs_plain_dispatch(path, request, mode):
+    request.getfixturevalue(path)
+    seed = fresh_seed()
+    args, _ = _inputs(6, 8, 6, 4, 2, routing="negative", seed=seed, requires_grad=True)
+    with torch.no_grad(), OpCounter() as c:
+        out = torch.ops.moe.dispatch(*args)
+    assert c.counts == {"dispatch": 1}, (seed, c.counts)
+    assert not out.requires_grad
+    plain = [a.detach() for a in args[:4]] + [args[4]]
+    with OpCounter() as c:
+        out = torch.ops.moe.dispatch(*plain)
+    assert c.counts == {"dispatch": 1}, (seed, c.counts)
+    assert not out.requires_grad
+
+
+@pytest.mark.parametrize("which", [0, 1, 2, 3])
+def test_one_input_requiring_grad(reference_path, mode, which):
+    """Any one differentiable input switches the training forward on; only it gets a gradient."""
+    seed = fresh_seed()
+    args, g = _inputs(7, 9, 5, 4, 2, routing="negative", seed=seed)
+    args = list(args)
+    args[which] = args[which].clone().requires_grad_(True)
+    go = torch.randn(7, 9, generator=g)
+    with OpCounter() as c:
+        torch.ops.moe.dispatch(*args).backward(go)
+    assert c.counts == OPS[mode], (seed, c.counts)
+    for i, a in enumerate(args[:4]):
+        assert (a.grad is not None) == (i == which), (seed, NAMES[i])
+    ref = _oracle_grads(args, go)[which]
+    assert rel_err(args[which].grad, ref) <= 1e-5, (seed, NAMES[which])
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. the saved z
+
+
+def _valid_slots(ids):
+    return (ids >= 0).reshape(-1)
+
+
+@pytest.mark.parametrize("routing", ["uniform", "negative", "empty_experts", "one_expert", "mixed"])
+@pytest.mark.parametrize("path,dtype", [("reference_path", torch.float32),
+                                        ("reference_path", torch.float64),
+                                        ("interpreter", torch.float32),
+                                        ("interpreter", torch.float16)])
+def test_z_matches_oracle(path, dtype, routing, request, monkeypatch):
+    request.getfixturevalue(path)
+    seed = fresh_seed()
+    T, H, I, E, K = 11, 14, 9, 5, 2
+    args, _ = _inputs(T, H, I, E, K, routing=routing, seed=seed, dtype=dtype)
+    _poison_empty(monkeypatch)
+    out, z = torch.ops.moe.dispatch_train(*args)
+    msg = f"seed={seed} path={path} dtype={dtype} routing={routing}"
+    assert z.shape == (T * K, 2 * I) and z.dtype == dtype, (msg, z.shape, z.dtype)
+    valid = _valid_slots(args[4])
+    z_ref = dispatch_z_reference(*_double(args[:2]), args[4])
+    err = rel_err(z[valid], z_ref[valid])
+    assert err <= RTOL[dtype], (msg, err)
+    if path == "reference_path":
+        assert torch.equal(z[~valid], torch.zeros_like(z[~valid])), msg
+    assert torch.equal(out, torch.ops.moe.dispatch(*args)), msg
+
+
+@needs_interpreter
+def test_z_interpreter_several_tiles(interpreter):
+    seed = fresh_seed()
+    args, _ = _inputs(20, 40, 37, 3, 2, routing="mixed", seed=seed)
+    out, z = torch.ops.moe.dispatch_train(*args)
+    valid = _valid_slots(args[4])
+    z_ref = dispatch_z_reference(*_double(args[:2]), args[4])
+    assert rel_err(z[valid], z_ref[valid]) <= RTOL[torch.float32], seed
+    assert torch.equal(out, torch.ops.moe.dispatch(*args)), seed
+
+
+def test_z_is_what_the_backward_gets(reference_path):
+    """The autograd forward hands dispatch_train's z to dispatch_backward_saved unchanged."""
+    seed = fresh_seed()
+    args, g = _inputs(6, 8, 6, 4, 2, routing="negative", seed=seed, requires_grad=True)
+    seen = {}
+
+    class Capture(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            res = func(*args, **(kwargs or {}))
+            if func is torch.ops.moe.dispatch_train.default:
+                seen["z"] = res[1]
+            elif func is torch.ops.moe.dispatch_backward_saved.default:
+                seen["z_bwd"] = args[1]
+            return res
+
+    with Capture():
+        torch.ops.moe.dispatch(*args).backward(torch.randn(6, 8, generator=g))
+    assert torch.equal(seen["z_bwd"], seen["z"]), seed
+    z_ref = dispatch_z_reference(*_double(args[:2]), args[4])
+    assert rel_err(seen["z"], z_ref) <= RTOL[torch.float32], seed
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. saved and recompute gradients agree (interpreted Triton kernels); poisoned buffers
+
+
+def _grads_in_mode(mode, args, go):
+    moe_ops.set_recompute(mode == "recompute")
+    _, grads, counts = _train_step(args, go)
+    assert counts == OPS[mode], counts
+    return [gr.clone() for gr in grads]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("routing", ["uniform", "negative", "empty_experts", "one_expert", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_saved_and_recompute_agree(interpreter, routing, dtype):
+    seed = fresh_seed()
+    args, g = _inputs(15, 19, 13, 6, 2, routing=routing, seed=seed, dtype=dtype,
+                      requires_grad=True)
+    go = torch.randn(15, 19, generator=g).to(dtype)
+    saved = _grads_in_mode("saved", args, go)
+    recomputed = _grads_in_mode("recompute", args, go)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, a, b in zip(NAMES, saved, recomputed):
+        assert a.shape == b.shape and a.dtype == b.dtype, (seed, name)
+        if b.norm() == 0:
+            assert torch.equal(a, b), (seed, name)
+        else:
+            assert rel_err(a, b) <= tol, (seed, routing, name, rel_err(a, b))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("routing", ["negative", "mixed"])
+def test_saved_backward_never_reads_dropped_rows_of_z(interpreter, monkeypatch, routing):
+    """Rows of z for ids < 0 are unspecified: NaN there, and NaN in every torch.empty scratch
+    buffer of the backward, changes nothing."""
+    seed = fresh_seed()
+    args, g = _inputs(13, 17, 11, 5, 2, routing=routing, seed=seed)
+    go = torch.randn(13, 17, generator=g)
+    _, z = torch.ops.moe.dispatch_train(*args)
+    clean = torch.ops.moe.dispatch_backward_saved(go, z, *args)
+    dropped = ~_valid_slots(args[4])
+    assert dropped.any(), seed
+    z_nan = z.clone()
+    z_nan[dropped] = float("nan")
+    _poison_empty(monkeypatch)
+    poisoned = torch.ops.moe.dispatch_backward_saved(go, z_nan, *args)
+    ref = dispatch_backward_reference(go.double(), *_double(args))
+    for name, a, b, r in zip(NAMES, poisoned, clean, ref):
+        assert torch.equal(a, b), (seed, name)
+        assert rel_err(a, r) <= 1e-5, (seed, name, rel_err(a, r))
+
+
+@needs_interpreter
+def test_training_step_with_poisoned_scratch(interpreter, monkeypatch, mode):
+    """A whole forward + backward with NaN in every torch.empty float buffer: nothing unwritten
+    is read (z rows of dropped slots included) and the gradients are right."""
+    seed = fresh_seed()
+    args, g = _inputs(13, 17, 11, 6, 2, routing="mixed", seed=seed, requires_grad=True)
+    go = torch.randn(13, 17, generator=g)
+    _poison_empty(monkeypatch)
+    out, grads, counts = _train_step(args, go)
+    assert counts == OPS[mode], (seed, counts)
+    assert rel_err(out, _dense_float64(*_double(args))) <= RTOL[torch.float32], seed
+    for name, gr, r in zip(NAMES, grads, _oracle_grads(args, go)):
+        assert rel_err(gr, r) <= 1e-5, (seed, name, rel_err(gr, r))
+    _assert_exact_zeros(args, grads, f"seed={seed}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. T = 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_T0_backward(path, request, monkeypatch, mode):
+    request.getfixturevalue(path)
+    args, _ = _inputs(0, 8, 6, 4, 2, routing="uniform", seed=0, requires_grad=True)
+    _poison_empty(monkeypatch)
+    out, grads, counts = _train_step(args, torch.zeros(0, 8))
+    assert counts == OPS[mode], counts
+    assert out.shape == (0, 8)
+    for name, a, gr in zip(NAMES, args[:4], grads):
+        assert gr is not None and gr.shape == a.shape and gr.dtype == a.dtype, name
+        assert torch.equal(gr, torch.zeros_like(a)), name   # w13 / w2: zeros, not garbage
+    if mode == "saved":
+        _, z = torch.ops.moe.dispatch_train(*[a.detach() for a in args[:4]], args[4])
+        assert z.shape == (0, 12), z.shape

@@ -33,13 +33,13 @@ from typing import Callable, Optional
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)   # this checkout's moe_ops, without PYTHONPATH or an install
 
-import bench_moe as bm  # noqa: E402  (puts the repo root on sys.path, imports moe_ops)
-import baselines as bl  # noqa: E402
-import moe_ops  # noqa: E402
+import moe_ops  # noqa: E402  (registers torch.ops.moe.*)
+from moe_ops import _baselines as bl  # noqa: E402
+from moe_ops import bench as bm  # noqa: E402
 from moe_ops.reference import dispatch_backward_reference  # noqa: E402
 
 SHAPE_NAMES = ["mixtral_8x7b", "qwen3_30b_a3b", "qwen3_30b_a3b_zipf", "deepseek_v3_routed"]

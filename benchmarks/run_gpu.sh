@@ -15,8 +15,10 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
     2>&1 | tee "$out/gpu_tests.log" | tail -25
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
-  timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_moe.py --graph-all \
-    --md "$out/bench.md" --csv "$out/bench.csv" > "$out/bench.log" 2>&1
+  PLOT=""
+  python3 -c 'import matplotlib' 2>/dev/null && PLOT="--plot $out/bench.png"
+  timeout "${BENCH_TIMEOUT:-240}" python3 -m moe_ops.bench --graph-all \
+    --md "$out/bench.md" --csv "$out/bench.csv" $PLOT > "$out/bench.log" 2>&1
   echo "bench_moe rc=$?"
   timeout "${TRAIN_TIMEOUT:-150}" python3 benchmarks/bench_train.py ${TRAIN_ARGS:-} \
     --md "$out/train.md" > "$out/train.log" 2>&1

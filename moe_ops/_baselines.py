@@ -1,11 +1,12 @@
-"""Baseline MoE expert computations for benchmarks/bench_moe.py.
+"""Baseline MoE expert computations for moe_ops.bench (and benchmarks/bench_train.py).
 
 Every baseline has the signature of `torch.ops.moe.dispatch` without the activation:
 `fn(hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K]) -> [T, H]`,
 SwiGLU experts with the gate rows of `w13` first. All ids must lie in `[0, E)`: the benchmark's
-routing never produces the `< 0` sentinel, and the baselines do not handle it.
+routing never produces the `< 0` sentinel, and the baselines do not handle it. transformers is
+imported only inside the functions that need it: it is an optional dependency.
 
-`BASELINES` lists them, each with whether it can run here and whether it can be captured in a
+`baselines()` lists them, each with whether it can run here and whether it can be captured in a
 `torch.cuda.CUDAGraph` (no host synchronisation, no data-dependent allocation sizes)."""
 from __future__ import annotations
 

@@ -1,0 +1,133 @@
+"""`python -m moe_ops.bench`: the tiny CPU run prints a row per (shape, T) with a moe_ops time, and
+writes the CSV, Markdown and (with matplotlib) PNG outputs; --plot without matplotlib is refused
+before any benchmarking; the plotted series follow the table's figures."""
+import csv
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_ops import bench
+
+ROOT = Path(__file__).parents[1]
+SHAPE = "qwen3_30b_a3b"
+TOKENS = [1, 8]
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+CSV_HEADER = ["shape", "T", "impl", "status", "eager_us", "graph_us", "best_us", "best_how",
+              "rel_err", "graph_rel_err", "floor_us", "floor_fraction", "bytes", "flops",
+              "experts_hit", "max_over_mean_load", "route_eager_us", "route_graph_us", "note"]
+
+
+def _run(args, code=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.pop("TRITON_INTERPRET", None)   # the CPU path's torch reference: seconds, not minutes
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "moe_ops.bench"]
+    return subprocess.run(cmd + args, capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    args = ["--tiny", "--shapes", SHAPE, "--tokens", *map(str, TOKENS),
+            "--csv", str(out / "bench.csv"), "--md", str(out / "bench.md")]
+    if HAS_MATPLOTLIB:
+        args += ["--plot", str(out / "bench.png")]
+    r = _run(args)
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r, out
+
+
+def _table_rows(stdout: str) -> list[list[str]]:
+    lines = stdout.splitlines()
+    head = [i for i, line in enumerate(lines) if line.startswith("shape ") and "floor/moe_ops" in line]
+    assert len(head) == 1, stdout
+    assert set(lines[head[0] + 1].replace(" ", "")) == {"-"}
+    return [line.split() for line in lines[head[0] + 2:] if line.strip()]
+
+
+def test_help():
+    r = _run(["--help"])
+    assert r.returncode == 0, r.stderr
+    assert "--plot PATH.png" in r.stdout and "--tiny" in r.stdout
+
+
+def test_tiny_table_has_a_moe_ops_time_per_cell(tiny_run):
+    r, _ = tiny_run
+    rows = _table_rows(r.stdout)
+    assert [(row[0], int(row[1])) for row in rows] == [(SHAPE, T) for T in TOKENS], rows
+    for row in rows:
+        # shape, T, floor, route e/g, moe_ops e/g, ...: eager time / graph time ("-" on CPU)
+        assert re.fullmatch(r"\d+(\.\d+)?/(\d+(\.\d+)?|-)", row[4]), row
+        assert "FAIL" not in row, row
+    assert not re.search(r"^  \S+ T=\d+ \S+: FAIL", r.stdout, re.M), r.stdout
+
+
+def test_tiny_csv_and_md(tiny_run):
+    _, out = tiny_run
+    with open(out / "bench.csv", newline="") as f:
+        rows = [row for row in csv.reader(f) if not row[0].startswith("# ")]
+    assert rows[0] == CSV_HEADER
+    records = [dict(zip(CSV_HEADER, row)) for row in rows[1:]]
+    assert [(d["shape"], int(d["T"]), d["impl"]) for d in records] == [
+        (SHAPE, T, impl) for T in TOKENS for impl in bench.IMPLS]
+    for d in records:
+        if d["impl"] == "moe_ops":
+            assert d["status"] == "ok" and float(d["best_us"]) > 0, d
+            assert float(d["floor_fraction"]) == pytest.approx(
+                float(d["floor_us"]) / float(d["best_us"]), rel=1e-4)
+        assert d["status"] != "FAIL", d
+    md = (out / "bench.md").read_text()
+    assert md.startswith("# moe_ops forward benchmark") and f"| {SHAPE} | 8 |" in md
+
+
+def test_tiny_plot_writes_png(tiny_run):
+    if not HAS_MATPLOTLIB:
+        pytest.skip("matplotlib not installed (pip install 'moe_ops[bench]'): --plot not run")
+    _, out = tiny_run
+    data = (out / "bench.png").read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 10_000, len(data)
+
+
+def test_plot_without_matplotlib_is_refused_before_benchmarking(tmp_path):
+    png = tmp_path / "never.png"
+    code = ("import runpy, sys; sys.modules['matplotlib'] = None; "   # import matplotlib fails
+            "sys.argv[0] = 'moe_ops.bench'; runpy.run_module('moe_ops.bench', run_name='__main__')")
+    r = _run(["--tiny", "--shapes", SHAPE, "--tokens", "1", "--plot", str(png)], code=code)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "--plot needs matplotlib: pip install matplotlib" in r.stderr
+    assert "ceilings" not in r.stdout and not png.exists()
+
+
+def test_output_directory_is_checked_before_benchmarking(tmp_path):
+    r = _run(["--tiny", "--csv", str(tmp_path / "missing" / "out.csv")])
+    assert r.returncode == 2 and "--csv" in r.stderr and "no such directory" in r.stderr, r.stderr
+    assert "ceilings" not in r.stdout
+
+
+def _cell(T, floor_us, **results):
+    return bench.Cell("s", T, floor_us, 0, 0, 1, 1.0, None, None, True,
+                      {n: bench.Result("s", T, n, **kw) for n, kw in results.items()})
+
+
+def test_roofline_series_uses_the_best_time_and_leaves_gaps():
+    cells = [
+        _cell(1, 10.0, moe_ops=dict(eager_us=40.0, graph_us=20.0),
+              expert_loop=dict(status="skip", note="budget"), hf_eager=dict(status="n/a")),
+        _cell(8, 30.0, moe_ops=dict(status="FAIL", eager_us=30.0),
+              expert_loop=dict(eager_us=60.0), hf_eager=dict(status="n/a")),
+        _cell(32, 50.0, moe_ops=dict(eager_us=100.0), expert_loop=dict(status="ERR"),
+              hf_eager=dict(status="n/a")),
+    ]
+    series = bench.roofline_series(cells, ["moe_ops", "expert_loop", "hf_eager"])
+    assert list(series) == ["s"] and list(series["s"]) == ["moe_ops", "expert_loop"]
+    Ts, mo = series["s"]["moe_ops"]
+    assert Ts == [1, 8, 32] and mo[0] == 0.5 and math.isnan(mo[1]) and mo[2] == 0.5
+    _, loop = series["s"]["expert_loop"]
+    assert math.isnan(loop[0]) and loop[1] == 0.5 and math.isnan(loop[2])

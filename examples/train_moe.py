@@ -53,7 +53,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import moe_ops  # noqa: E402,F401  (registers torch.ops.moe.*)
+import moe_ops  # noqa: E402  (registers torch.ops.moe.*)
 from moe_ops.integrations.huggingface import apply_moe_ops  # noqa: E402
 
 TIMING_WARMUP = 5  # steps left out of the median step time (Triton compilation, allocator warm-up)
@@ -225,8 +225,13 @@ def main():
                              "(default: 5e-2)")
     parser.add_argument("--log-every", type=int, default=None,
                         help="print the losses every N steps (default: steps/10)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="moe_ops.set_recompute(True): recompute the SwiGLU pre-activation in "
+                             "the backward instead of saving it (less memory, slower)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.recompute:
+        moe_ops.set_recompute(True)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
     device = args.device

@@ -33,6 +33,8 @@ def variants(base):
         "wg 256x128": r(base, wg_m=256),
         "wg 128x64": r(base, wg_n=64),
         "wg w4": r(base, wg_warps=4),
+        "wg k128 s2": r(base, wg_k=128, num_stages=2),
+        "act n128 w8 s4": r(base, act_n=128, act_warps=8, num_stages=4),
     }
 
 

@@ -7,6 +7,18 @@ import os
 import torch
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil(a / b). (triton.cdiv and triton.next_power_of_2 are constexpr_function
+    wrappers that cost microseconds of host time per call, and a launch path calls them ~10
+    times.)"""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Host-side smallest power of 2 >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

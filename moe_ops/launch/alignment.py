@@ -4,9 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from moe_ops._runtime import kernel_for
+from moe_ops._runtime import cdiv, kernel_for, next_pow2
 from moe_ops.kernels.alignment import count_kernel, scan_kernel, scatter_kernel
 from moe_ops.reference.alignment import max_padded_rows
 
@@ -41,11 +40,11 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
         empty = torch.empty(0, dtype=torch.int32, device=dev)
         return Alignment(empty, empty, torch.zeros(1, dtype=torch.int32, device=dev),
                          torch.zeros(num_experts, dtype=torch.int32, device=dev), block_m)
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_pow2(num_experts)
     chunk = max(16, min(1024, TILE_ELEMS // block_e))
-    n_programs = max(1, min(128, SCAN_ELEMS // block_e, triton.cdiv(n_slots, chunk)))
-    span = triton.cdiv(triton.cdiv(n_slots, n_programs), chunk) * chunk
-    n_programs = max(1, triton.cdiv(n_slots, span))
+    n_programs = max(1, min(128, SCAN_ELEMS // block_e, cdiv(n_slots, chunk)))
+    span = cdiv(cdiv(n_slots, n_programs), chunk) * chunk
+    n_programs = max(1, cdiv(n_slots, span))
     sorted_slots = torch.empty(max_rows, dtype=torch.int32, device=dev)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
@@ -54,7 +53,7 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
     if n_programs == 1:   # decode sizes: one launch
         kernel_for(scan_kernel, dev)[(1,)](
             ids, ids, ids, sorted_slots, block_expert, num_rows, expert_ends, 1, n_slots, n_blocks,
-            num_experts, BLOCK_M=block_m, BLOCK_P=triton.next_power_of_2(n_slots),
+            num_experts, BLOCK_M=block_m, BLOCK_P=next_pow2(n_slots),
             BLOCK_E=block_e, BLOCK_B=block_b, FUSED=True, num_warps=4)
         return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m)
     counts = torch.empty(n_programs, block_e, dtype=torch.int32, device=dev)
@@ -63,7 +62,7 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
         ids, counts, n_slots, span, num_experts, CHUNK=chunk, BLOCK_E=block_e)
     kernel_for(scan_kernel, dev)[(1,)](
         ids, counts, bases, sorted_slots, block_expert, num_rows, expert_ends, n_programs, n_slots, n_blocks,
-        num_experts, BLOCK_M=block_m, BLOCK_P=triton.next_power_of_2(n_programs),
+        num_experts, BLOCK_M=block_m, BLOCK_P=next_pow2(n_programs),
         BLOCK_E=block_e, BLOCK_B=block_b, FUSED=False, num_warps=4)
     kernel_for(scatter_kernel, dev)[(n_programs,)](
         ids, bases, sorted_slots, n_slots, span, num_experts, CHUNK=chunk, BLOCK_E=block_e)

@@ -3,9 +3,8 @@ fused), deterministic combine. Every buffer is sized from shapes; nothing syncs 
 from __future__ import annotations
 
 import torch
-import triton
 
-from moe_ops._runtime import kernel_for
+from moe_ops._runtime import cdiv, kernel_for, next_pow2
 from moe_ops.kernels.expert_gemm import combine_kernel, down_kernel, gate_up_kernel
 from moe_ops.launch.alignment import align_triton
 from moe_ops.tuning.heuristics import dispatch_config
@@ -36,7 +35,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     precision = _dot_precision(hidden.dtype)
     act = torch.empty(al.max_rows, I, dtype=hidden.dtype, device=dev)
     z = torch.empty(T * K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else act
-    kernel_for(gate_up_kernel, dev)[(n_blocks * triton.cdiv(I, cfg.block_n1),)](
+    kernel_for(gate_up_kernel, dev)[(n_blocks * cdiv(I, cfg.block_n1),)](
         hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, K,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
@@ -48,7 +47,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     # Per-slot expert outputs (routing weight applied, rounded once to the input dtype, as vLLM
     # does; float32 for float32 inputs); the combine sums them in float32 in a fixed order.
     y = torch.empty(n_slots, H, dtype=hidden.dtype, device=dev)
-    kernel_for(down_kernel, dev)[(n_blocks * triton.cdiv(H, cfg.block_n2),)](
+    kernel_for(down_kernel, dev)[(n_blocks * cdiv(H, cfg.block_n2),)](
         act, w2, y, topk_weights, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, K,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
@@ -57,8 +56,8 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     block_t = 4
-    block_h = min(1024, triton.next_power_of_2(H))
-    kernel_for(combine_kernel, dev)[(triton.cdiv(T, block_t), triton.cdiv(H, block_h))](
+    block_h = min(1024, next_pow2(H))
+    kernel_for(combine_kernel, dev)[(cdiv(T, block_t), cdiv(H, block_h))](
         y, topk_ids, out, T, H, E, K,
         topk_ids.stride(0), topk_ids.stride(1), y.stride(0), out.stride(0), out.stride(1),
         BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,

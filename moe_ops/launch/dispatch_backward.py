@@ -10,9 +10,8 @@ partials of ds."""
 from __future__ import annotations
 
 import torch
-import triton
 
-from moe_ops._runtime import kernel_for
+from moe_ops._runtime import cdiv, kernel_for, next_pow2
 from moe_ops.kernels.expert_gemm import combine_kernel, down_kernel
 from moe_ops.kernels.expert_gemm_backward import (act_grad_kernel, ds_kernel, gather_rows_kernel,
                                                   weight_grad_kernel)
@@ -45,7 +44,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     n_blocks = al.max_rows // bm
     prec = _dot_precision(dt)
     stages = bc.num_stages
-    n_tiles = triton.cdiv(I, bc.act_n)
+    n_tiles = cdiv(I, bc.act_n)
 
     xs = gather_rows_triton(hidden, al, n_slots, K)
     gos = gather_rows_triton(grad_out, al, n_slots, K)
@@ -64,10 +63,10 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
         HAS_Z=z is not None, num_warps=bc.act_warps, num_stages=stages,
     )
     block_r = 64
-    kernel_for(ds_kernel, dev)[(triton.cdiv(al.max_rows, block_r),)](
+    kernel_for(ds_kernel, dev)[(cdiv(al.max_rows, block_r),)](
         ds_part, al.sorted_slots, al.num_rows, dweights, n_slots, n_tiles, K, ds_part.stride(0),
         dweights.stride(0), dweights.stride(1),
-        BLOCK_R=block_r, BLOCK_T=triton.next_power_of_2(n_tiles),
+        BLOCK_R=block_r, BLOCK_T=next_pow2(n_tiles),
     )
 
     # dW2_e [H, I] = sum_rows dO[t]^T (s a)[row];  dW13_e [2I, H] = sum_rows dz[row]^T x[t]
@@ -78,7 +77,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
 
     # dx: per-slot dz[row] @ W13_e ([2I] x [2I, H]), then the forward's deterministic combine.
     dxs = torch.empty(n_slots, H, dtype=dt, device=dev)
-    kernel_for(down_kernel, dev)[(n_blocks * triton.cdiv(H, bc.dx_n),)](
+    kernel_for(down_kernel, dev)[(n_blocks * cdiv(H, bc.dx_n),)](
         dz, w13, dxs, topk_weights, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, 2 * I, K,
         dz.stride(0), w13.stride(0), w13.stride(2), w13.stride(1),
@@ -86,8 +85,8 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
         BLOCK_M=bm, BLOCK_N=bc.dx_n, BLOCK_K=bc.dx_k, GROUP_M=8, DOT_PRECISION=prec,
         HAS_WEIGHTS=False, num_warps=bc.dx_warps, num_stages=stages,
     )
-    block_h = min(1024, triton.next_power_of_2(H))
-    kernel_for(combine_kernel, dev)[(triton.cdiv(T, 4), triton.cdiv(H, block_h))](
+    block_h = min(1024, next_pow2(H))
+    kernel_for(combine_kernel, dev)[(cdiv(T, 4), cdiv(H, block_h))](
         dxs, topk_ids, dx, T, H, E, K,
         topk_ids.stride(0), topk_ids.stride(1), dxs.stride(0), dx.stride(0), dx.stride(1),
         BLOCK_T=4, BLOCK_H=block_h, num_warps=4,
@@ -101,10 +100,10 @@ def gather_rows_triton(src, al, n_slots, top_k):
     H = src.shape[1]
     dst = torch.empty(al.max_rows, H, dtype=src.dtype, device=src.device)
     block_r = 16
-    kernel_for(gather_rows_kernel, src.device)[(triton.cdiv(al.max_rows, block_r),)](
+    kernel_for(gather_rows_kernel, src.device)[(cdiv(al.max_rows, block_r),)](
         src, al.sorted_slots, al.num_rows, dst, n_slots, top_k, H,
         src.stride(0), src.stride(1), dst.stride(0),
-        BLOCK_R=block_r, BLOCK_H=min(512, triton.next_power_of_2(H)), num_warps=4,
+        BLOCK_R=block_r, BLOCK_H=min(512, next_pow2(H)), num_warps=4,
     )
     return dst
 
@@ -117,7 +116,7 @@ def weight_grad_triton(left, right, out, al, bc, prec):
     if al.block_m % bk:
         raise ValueError(f"weight-gradient step {bk} must divide block_m {al.block_m}")
     kernel_for(weight_grad_kernel, out.device)[
-            (E * triton.cdiv(M, bc.wg_m) * triton.cdiv(N, bc.wg_n),)](
+            (E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n),)](
         left, right, out, al.expert_ends, M, N, E,
         left.stride(0), right.stride(0), out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, DOT_PRECISION=prec,

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import torch
-import triton
 
-from moe_ops._runtime import kernel_for
+from moe_ops._runtime import cdiv, kernel_for, next_pow2
 from moe_ops.kernels.routing import route_kernel
 
 
@@ -19,19 +18,19 @@ def route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups, t
     weights, ids = out
     if T == 0:
         return weights, ids
-    block_e = triton.next_power_of_2(E)
+    block_e = next_pow2(E)
     # Decode sizes get a tile of just their rows and one warp: the top-k loop is a chain of
     # row reductions, and within one warp they need no shared-memory round trips.
-    block_t = max(1, min(64, 4096 // block_e, triton.next_power_of_2(T)))
-    grid = (triton.cdiv(T, block_t),)
+    block_t = max(1, min(64, 4096 // block_e, next_pow2(T)))
+    grid = (cdiv(T, block_t),)
     kernel_for(route_kernel, dev)[grid](
         router_logits, bias if bias is not None else router_logits, weights, ids,
         T, E, router_logits.stride(0), router_logits.stride(1),
         top_k, num_groups, E // num_groups, topk_groups, float(scale),
         SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
         GROUPED=num_groups > 1,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(num_groups),
-        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=next_pow2(num_groups),
+        BLOCK_K=next_pow2(top_k),
         num_warps=1 if block_t * block_e <= 1024 else 4,
     )
     return weights, ids

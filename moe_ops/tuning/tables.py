@@ -31,6 +31,12 @@ def table_path(device_name: str, directory: str | os.PathLike | None = None) -> 
     return base / f"{stem}.json"
 
 
+@functools.lru_cache(maxsize=64)
+def _table_path_str(device_name: str, directory) -> str:
+    # lookup() runs on every moe.dispatch call: Path arithmetic there cost ~5 us of host time.
+    return str(table_path(device_name, directory))
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -73,7 +79,7 @@ def lookup(T: int, E: int, K: int, H: int, I: int, dtype: torch.dtype, device_na
            directory=None) -> DispatchConfig | None:
     """The tuned config of the entry matching (H, I, E, K, dtype) at the measured token count
     nearest to T (in log space), or None."""
-    table = _load(str(table_path(device_name, directory)))
+    table = _load(_table_path_str(device_name, directory or os.environ.get("MOE_OPS_TUNING_DIR")))
     if table is None:
         return None
     name = _dtype_name(dtype)

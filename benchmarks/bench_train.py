@@ -21,7 +21,6 @@ matmul rate measured in the same run. The table comes last.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import gc
 import math
@@ -415,21 +414,15 @@ def format_progress(c: Cell, elapsed: float) -> str:
 
 def write_csv(path: str, cells: list[Cell], impl_names: list[str], env) -> None:
     num = bm._num
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        for k, v in env:
-            w.writerow([f"# {k}", v])
-        w.writerow(["shape", "T", "impl", "status", "ms", "how", "floor_ms", "roofline_fraction",
-                    "train_flops", "peak_gib", "est_gib", "checked", "err_hidden", "err_w13",
-                    "err_w2", "err_weights", "experts_hit", "max_over_mean_load", "note"])
-        for c in cells:
-            for n in impl_names:
-                r = c.results[n]
-                errs = [num(e) for e in r.errs] if r.errs else [""] * 4
-                w.writerow([c.shape, c.T, n, r.status, num(r.ms), r.how, num(c.floor_ms),
-                            num(c.floor_ms / r.ms if r.timed else None), c.flops, num(r.peak_gib),
-                            num(r.est_gib), int(c.checked)] + errs
-                           + [c.hit, num(c.max_load), r.note])
+    header = ["shape", "T", "impl", "status", "ms", "how", "floor_ms", "roofline_fraction",
+              "train_flops", "peak_gib", "est_gib", "checked", "err_hidden", "err_w13", "err_w2",
+              "err_weights", "experts_hit", "max_over_mean_load", "note"]
+    rows = ([c.shape, c.T, n, r.status, num(r.ms), r.how, num(c.floor_ms),
+             num(c.floor_ms / r.ms if r.timed else None), c.flops, num(r.peak_gib),
+             num(r.est_gib), int(c.checked)]
+            + ([num(e) for e in r.errs] if r.errs else [""] * 4) + [c.hit, num(c.max_load), r.note]
+            for c in cells for n in impl_names for r in (c.results[n],))
+    bm.write_csv_rows(path, env, header, rows)
 
 
 # --------------------------------------------------------------------------------------------

@@ -533,22 +533,26 @@ def detail_rows(cells: list[Cell], impl_names: list[str]) -> list[list[str]]:
 DETAIL_HEADER = ["shape", "T", "impl", "status", "eager us", "graph us", "rel err", "floor/time", "note"]
 
 
-def write_csv(path: str, cells: list[Cell], impl_names: list[str], env) -> None:
+def write_csv_rows(path: str, env, header: list[str], rows) -> None:
+    """The CSV layout of the benchmarks: `# key, value` environment lines, a header, the rows."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         for k, v in env:
             w.writerow([f"# {k}", v])
-        w.writerow(["shape", "T", "impl", "status", "eager_us", "graph_us", "best_us", "best_how",
-                    "rel_err", "graph_rel_err", "floor_us", "floor_fraction", "bytes", "flops",
-                    "experts_hit", "max_over_mean_load", "route_eager_us", "route_graph_us", "note"])
-        for c in cells:
-            for n in impl_names:
-                r = c.results[n]
-                w.writerow([c.shape, c.T, n, r.status, _num(r.eager_us), _num(r.graph_us),
-                            _num(r.best_us), r.best_how, _num(r.rel_err), _num(r.graph_rel_err),
-                            _num(c.floor_us), _num(c.floor_us / r.best_us if r.best_us else None),
-                            c.bytes, c.flops, c.hit, _num(c.max_load), _num(c.route_eager_us),
-                            _num(c.route_graph_us), r.note])
+        w.writerow(header)
+        w.writerows(rows)
+
+
+def write_csv(path: str, cells: list[Cell], impl_names: list[str], env) -> None:
+    header = ["shape", "T", "impl", "status", "eager_us", "graph_us", "best_us", "best_how",
+              "rel_err", "graph_rel_err", "floor_us", "floor_fraction", "bytes", "flops",
+              "experts_hit", "max_over_mean_load", "route_eager_us", "route_graph_us", "note"]
+    rows = ([c.shape, c.T, n, r.status, _num(r.eager_us), _num(r.graph_us), _num(r.best_us),
+             r.best_how, _num(r.rel_err), _num(r.graph_rel_err), _num(c.floor_us),
+             _num(c.floor_us / r.best_us if r.best_us else None), c.bytes, c.flops, c.hit,
+             _num(c.max_load), _num(c.route_eager_us), _num(c.route_graph_us), r.note]
+            for c in cells for n in impl_names for r in (c.results[n],))
+    write_csv_rows(path, env, header, rows)
 
 
 def _num(x) -> str:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import moe_ops  # noqa: F401  (registers torch.ops.moe.*)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Per-dtype relative-error bounds against a float64 reference (||out - ref|| / ||ref||).
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -69,3 +70,18 @@ def _needs_interpreter():
 
 
 needs_interpreter = _needs_interpreter()
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts calls of torch.ops.moe.* that reach the dispatcher below Autograd (forward and
+    backward ops alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "moe":
+            name = func.__name__.split(".")[0]
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))

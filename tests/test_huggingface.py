@@ -11,9 +11,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from conftest import rel_err  # noqa: E402
+from conftest import OpCounter, rel_err  # noqa: E402
 from moe_ops.integrations import huggingface as hf  # noqa: E402
 from moe_ops.integrations.huggingface import (  # noqa: E402
     UnsupportedModelError,
@@ -101,20 +100,6 @@ def make_model(name, dtype=torch.float32, device="cpu", seed=0):
 def input_ids(batch=2, seq=9, seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, seq), generator=g).to(device)
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts calls of torch.ops.moe.* (forward and backward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "moe":
-            name = func.__name__.split(".")[0]
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def num_moe_blocks(model):

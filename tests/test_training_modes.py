@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_ops
-from conftest import RTOL, needs_interpreter, rel_err
+from conftest import RTOL, OpCounter, needs_interpreter, rel_err
 from moe_ops.ops.samples import dispatch_samples, make_dispatch_inputs
 from moe_ops.reference.dispatch import dispatch_backward_reference, dispatch_z_reference
 
@@ -48,20 +48,6 @@ def _default_mode(monkeypatch):
 def mode(request):
     moe_ops.set_recompute(request.param == "recompute")
     yield request.param
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts calls of torch.ops.moe.* that reach the dispatcher below Autograd."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "moe":
-            name = func.__name__.split(".")[0]
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def _inputs(T, H, I, E, K, *, routing, seed, dtype=torch.float32, requires_grad=False,

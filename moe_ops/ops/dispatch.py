@@ -38,18 +38,41 @@ DISPATCH_TRAIN = define(DISPATCH_TRAIN_SCHEMA)
 DISPATCH_BACKWARD_SAVED = define(DISPATCH_BACKWARD_SAVED_SCHEMA)
 
 
-@torch.library.register_kernel(DISPATCH, ("cpu", "cuda"))
-def _dispatch_impl(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+def _forward(hidden, w13, w2, topk_weights, topk_ids, activation, save_z):
+    """moe.dispatch (save_z=False: out) and moe.dispatch_train (save_z=True: (out, z))."""
     check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation)
     check_ids_in_range(topk_ids, w13.shape[0])
     if use_triton(hidden) and hidden.dtype != torch.float64:
         from moe_ops.launch.dispatch import dispatch_triton
 
         if _interpreted_bf16(hidden):
-            out = dispatch_triton(*_upcast(hidden, w13, w2, topk_weights), topk_ids, activation)
-            return out.to(hidden.dtype)
-        return dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation)
-    return dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activation)
+            res = dispatch_triton(*_upcast(hidden, w13, w2, topk_weights), topk_ids, activation,
+                                  save_z=save_z)
+            return tuple(r.to(hidden.dtype) for r in res) if save_z else res.to(hidden.dtype)
+        return dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation, save_z=save_z)
+    out = dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activation)
+    return (out, dispatch_z_reference(hidden, w13, topk_ids)) if save_z else out
+
+
+def _backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, activation):
+    """moe.dispatch_backward (z=None: recomputed) and moe.dispatch_backward_saved."""
+    if use_triton(hidden) and hidden.dtype != torch.float64:
+        from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+
+        if _interpreted_bf16(hidden):
+            grads = dispatch_backward_triton(*_upcast(grad_out, hidden, w13, w2, topk_weights),
+                                             topk_ids, activation,
+                                             z=None if z is None else z.float())
+            return tuple(g.to(t.dtype) for g, t in zip(grads, (hidden, w13, w2, topk_weights)))
+        return dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids,
+                                        activation, z=z)
+    # The reference recomputes z in float32/float64 (z is a cache of W13_e x).
+    return dispatch_backward_reference(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation)
+
+
+@torch.library.register_kernel(DISPATCH, ("cpu", "cuda"))
+def _dispatch_impl(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+    return _forward(hidden, w13, w2, topk_weights, topk_ids, activation, save_z=False)
 
 
 def _interpreted_bf16(hidden):
@@ -70,16 +93,7 @@ def _dispatch_fake(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
 
 @torch.library.register_kernel(DISPATCH_BACKWARD, ("cpu", "cuda"))
 def _dispatch_backward_impl(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
-    if use_triton(hidden) and hidden.dtype != torch.float64:
-        from moe_ops.launch.dispatch_backward import dispatch_backward_triton
-
-        if _interpreted_bf16(hidden):
-            grads = dispatch_backward_triton(*_upcast(grad_out, hidden, w13, w2, topk_weights),
-                                             topk_ids, activation)
-            return tuple(g.to(t.dtype) for g, t in zip(grads, (hidden, w13, w2, topk_weights)))
-        return dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids,
-                                        activation)
-    return dispatch_backward_reference(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation)
+    return _backward(grad_out, None, hidden, w13, w2, topk_weights, topk_ids, activation)
 
 
 @torch.library.register_fake(DISPATCH_BACKWARD)
@@ -90,18 +104,7 @@ def _dispatch_backward_fake(grad_out, hidden, w13, w2, topk_weights, topk_ids, a
 
 @torch.library.register_kernel(DISPATCH_TRAIN, ("cpu", "cuda"))
 def _dispatch_train_impl(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
-    check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation)
-    check_ids_in_range(topk_ids, w13.shape[0])
-    if use_triton(hidden) and hidden.dtype != torch.float64:
-        from moe_ops.launch.dispatch import dispatch_triton
-
-        if _interpreted_bf16(hidden):
-            out, z = dispatch_triton(*_upcast(hidden, w13, w2, topk_weights), topk_ids, activation,
-                                     save_z=True)
-            return out.to(hidden.dtype), z.to(hidden.dtype)
-        return dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation, save_z=True)
-    return (dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activation),
-            dispatch_z_reference(hidden, w13, topk_ids))
+    return _forward(hidden, w13, w2, topk_weights, topk_ids, activation, save_z=True)
 
 
 @torch.library.register_fake(DISPATCH_TRAIN)
@@ -114,17 +117,7 @@ def _dispatch_train_fake(hidden, w13, w2, topk_weights, topk_ids, activation="si
 @torch.library.register_kernel(DISPATCH_BACKWARD_SAVED, ("cpu", "cuda"))
 def _dispatch_backward_saved_impl(grad_out, z, hidden, w13, w2, topk_weights, topk_ids,
                                   activation="silu"):
-    if use_triton(hidden) and hidden.dtype != torch.float64:
-        from moe_ops.launch.dispatch_backward import dispatch_backward_triton
-
-        if _interpreted_bf16(hidden):
-            grads = dispatch_backward_triton(*_upcast(grad_out, hidden, w13, w2, topk_weights),
-                                             topk_ids, activation, z=z.float())
-            return tuple(g.to(t.dtype) for g, t in zip(grads, (hidden, w13, w2, topk_weights)))
-        return dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids,
-                                        activation, z=z)
-    # The reference recomputes z in float32/float64 (z is a cache of W13_e x).
-    return dispatch_backward_reference(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation)
+    return _backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, activation)
 
 
 @torch.library.register_fake(DISPATCH_BACKWARD_SAVED)

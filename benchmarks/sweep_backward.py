@@ -25,16 +25,13 @@ def variants(base):
     r = dataclasses.replace
     return {
         "default": base,
-        "old(64x64x32 wg, 64 dx)": r(base, wg_m=64, wg_n=64, wg_k=32, dx_n=64),
+        "fused act_grad": r(base, split_act=False),
+        "da n128 w4": r(base, da_n=128, da_warps=4),
+        "da k128": r(base, da_k=128),
+        "ew r8 i256": r(base, ew_r=8, ew_i=256),
         "wg 128x256": r(base, wg_n=256),
         "4 stages": r(base, num_stages=4),
-        "act n128": r(base, act_n=128),
-        "act k64": r(base, act_k=64),
-        "wg 256x128": r(base, wg_m=256),
-        "wg 128x64": r(base, wg_n=64),
-        "wg w4": r(base, wg_warps=4),
-        "wg k128 s2": r(base, wg_k=128, num_stages=2),
-        "act n128 w8 s4": r(base, act_n=128, act_warps=8, num_stages=4),
+        "4 stages wg 128x256": r(base, num_stages=4, wg_n=256),
     }
 
 

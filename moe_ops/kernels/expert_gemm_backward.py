@@ -91,6 +91,55 @@ def act_grad_kernel(
 
 
 @triton.jit
+def swiglu_grad_kernel(
+    da_ptr, z_ptr, weights_ptr, sorted_ptr, num_rows_ptr, dz_ptr, sa_ptr, dweights_ptr,
+    n_slots, I, top_k, stride_da, stride_z, stride_tw_t, stride_tw_k, stride_dz, stride_sa,
+    stride_dw_t, stride_dw_k,
+    BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    """The elementwise half of the split activation gradient, per aligned row (slot s of expert
+    e): from dA[slot] = dO_t W2_e (float32, the dA GEMM) and z[slot] = [g | u] it writes
+    dz[row] = [dg | du], sa[row] = s*a (zeros on padding rows) and d topk_weights[slot] =
+    <dA, a>, summed over I in a fixed order (deterministic, no atomics)."""
+    pid = tl.program_id(0)
+    num_rows = tl.load(num_rows_ptr)
+    if pid * BLOCK_R >= num_rows:
+        return
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = rows < num_rows
+    slots = tl.load(sorted_ptr + rows, mask=in_range, other=n_slots)
+    valid = in_range & (slots < n_slots)
+    slots64 = slots.to(tl.int64)
+    rows64 = rows.to(tl.int64)
+    s = tl.load(weights_ptr + (slots64 // top_k) * stride_tw_t + (slots64 % top_k) * stride_tw_k,
+                mask=valid, other=0.0).to(tl.float32)
+    ds = tl.zeros((BLOCK_R,), tl.float32)
+    for i0 in range(0, I, BLOCK_I):
+        offs = i0 + tl.arange(0, BLOCK_I)
+        i_mask = offs < I
+        m = valid[:, None] & i_mask[None, :]
+        dA = tl.load(da_ptr + slots64[:, None] * stride_da + offs[None, :], mask=m, other=0.0)
+        z_ptrs = z_ptr + slots64[:, None] * stride_z + offs[None, :]
+        g = tl.load(z_ptrs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(z_ptrs + I, mask=m, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        silu = g * sig
+        act = silu * u
+        ds += tl.sum(dA * act, axis=1)
+        da = dA * s[:, None]
+        # padding rows: dA, g, u and s are 0, so every value stored below is 0
+        m_store = in_range[:, None] & i_mask[None, :]
+        dz_ptrs = dz_ptr + rows64[:, None] * stride_dz + offs[None, :]
+        tl.store(dz_ptrs, (da * u * sig * (1.0 + g * (1.0 - sig))).to(dz_ptr.dtype.element_ty),
+                 mask=m_store)
+        tl.store(dz_ptrs + I, (da * silu).to(dz_ptr.dtype.element_ty), mask=m_store)
+        tl.store(sa_ptr + rows64[:, None] * stride_sa + offs[None, :],
+                 (act * s[:, None]).to(sa_ptr.dtype.element_ty), mask=m_store)
+    tl.store(dweights_ptr + (slots64 // top_k) * stride_dw_t + (slots64 % top_k) * stride_dw_k,
+             ds.to(dweights_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
 def gather_rows_kernel(src_ptr, sorted_ptr, num_rows_ptr, dst_ptr, n_slots, top_k, H,
                        stride_s, stride_sh, stride_d,
                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):

@@ -32,29 +32,15 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     al = align_triton(topk_ids, E, cfg.block_m)
     n_slots = T * K
     n_blocks = al.max_rows // cfg.block_m
-    precision = _dot_precision(hidden.dtype)
     act = torch.empty(al.max_rows, I, dtype=hidden.dtype, device=dev)
-    z = torch.empty(T * K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else act
-    kernel_for(gate_up_kernel, dev)[(n_blocks * cdiv(I, cfg.block_n1),)](
-        hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
-        n_slots, H, I, K,
-        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        act.stride(0), n_blocks, I, z, z.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
-        DOT_PRECISION=precision, SAVE_Z=save_z, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    z = torch.empty(T * K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else None
+    gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z)
     # Per-slot expert outputs (routing weight applied, rounded once to the input dtype, as vLLM
     # does; float32 for float32 inputs); the combine sums them in float32 in a fixed order.
     y = torch.empty(n_slots, H, dtype=hidden.dtype, device=dev)
-    kernel_for(down_kernel, dev)[(n_blocks * cdiv(H, cfg.block_n2),)](
-        act, w2, y, topk_weights, al.sorted_slots, al.block_expert, al.num_rows,
-        n_slots, H, I, K,
-        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
-        topk_weights.stride(0), topk_weights.stride(1), y.stride(0), n_blocks, H,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, GROUP_M=cfg.group_m,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, H, I, n_slots, K,
+                     cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, cfg.group_m,
+                     weights=topk_weights)
     block_t = 4
     block_h = min(1024, next_pow2(H))
     kernel_for(combine_kernel, dev)[(cdiv(T, block_t), cdiv(H, block_h))](
@@ -63,3 +49,41 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
         BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
     )
     return (out, z) if save_z else out
+
+
+def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None):
+    """act[row] = SwiGLU(W13_e x_t) over the aligned rows (gathering token rows through the slot
+    table); with `z` ([T*K, 2I]) also the pre-activation per slot."""
+    H = hidden.shape[1]
+    I = act.shape[1]
+    n_blocks = al.max_rows // cfg.block_m
+    zz = act if z is None else z
+    kernel_for(gate_up_kernel, hidden.device)[(n_blocks * cdiv(I, cfg.block_n1),)](
+        hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
+        n_slots, H, I, top_k,
+        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        act.stride(0), n_blocks, I, zz, zz.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
+        DOT_PRECISION=_dot_precision(hidden.dtype), SAVE_Z=z is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
+                     num_warps, num_stages, group_m=8, weights=None):
+    """y[slot] = (weights[slot] *) a[row] @ W_e^T ([N]) for the aligned rows: `a` is contiguous in
+    aligned-row order ([max_rows, K_red]); W_e[n, k] = w[e*w_strides[0] + n*w_strides[1] +
+    k*w_strides[2]] (any layout); y is per slot ([T*K, N], rows of ids < 0 unwritten). The
+    forward's down GEMM, and in the backward dA = dO W2_e and dx = dz W13_e."""
+    bm = al.block_m
+    n_blocks = al.max_rows // bm
+    tw = weights if weights is not None else y
+    kernel_for(down_kernel, a.device)[(n_blocks * cdiv(N, block_n),)](
+        a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
+        n_slots, N, K_red, top_k,
+        a.stride(0), w_strides[0], w_strides[1], w_strides[2],
+        tw.stride(0), tw.stride(1), y.stride(0), n_blocks, N,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
+        num_warps=num_warps, num_stages=num_stages,
+    )

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
-from moe_ops.kernels.expert_gemm import combine_kernel, down_kernel
+from moe_ops.kernels.expert_gemm import combine_kernel
 from moe_ops.kernels.expert_gemm_backward import (act_grad_kernel, ds_kernel, gather_rows_kernel,
-                                                  weight_grad_kernel)
+                                                  swiglu_grad_kernel, weight_grad_kernel)
 from moe_ops.launch.alignment import align_triton
-from moe_ops.launch.dispatch import _dot_precision
+from moe_ops.launch.dispatch import _dot_precision, gate_up_triton, rows_gemm_triton
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
 
@@ -44,30 +44,49 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     n_blocks = al.max_rows // bm
     prec = _dot_precision(dt)
     stages = bc.num_stages
-    n_tiles = cdiv(I, bc.act_n)
 
     xs = gather_rows_triton(hidden, al, n_slots, K)
     gos = gather_rows_triton(grad_out, al, n_slots, K)
     dz = torch.empty(al.max_rows, 2 * I, dtype=dt, device=dev)
     sa = torch.empty(al.max_rows, I, dtype=dt, device=dev)
-    ds_part = torch.empty(al.max_rows, n_tiles, dtype=torch.float32, device=dev)
-    kernel_for(act_grad_kernel, dev)[(n_blocks * n_tiles,)](
-        xs, gos, w13, w2, topk_weights, al.sorted_slots, al.block_expert, al.num_rows,
-        dz, sa, ds_part,
-        n_slots, H, I, K, n_blocks,
-        xs.stride(0), gos.stride(0),
-        w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
-        topk_weights.stride(0), topk_weights.stride(1), dz.stride(0), sa.stride(0),
-        ds_part.stride(0), z if z is not None else dz, z.stride(0) if z is not None else 0,
-        BLOCK_M=bm, BLOCK_N=bc.act_n, BLOCK_K=bc.act_k, GROUP_M=8, DOT_PRECISION=prec,
-        HAS_Z=z is not None, num_warps=bc.act_warps, num_stages=stages,
-    )
-    block_r = 64
-    kernel_for(ds_kernel, dev)[(cdiv(al.max_rows, block_r),)](
-        ds_part, al.sorted_slots, al.num_rows, dweights, n_slots, n_tiles, K, ds_part.stride(0),
-        dweights.stride(0), dweights.stride(1),
-        BLOCK_R=block_r, BLOCK_T=next_pow2(n_tiles),
-    )
+    if bc.split_act:
+        # dA = dO W2_e as a plain grouped GEMM (float32 out, per slot), then one elementwise pass
+        # over dA and z: the fused act_grad_kernel below reached 37% of its floor on Mixtral.
+        if z is None:   # recompute: the forward's gate+up GEMM; z lives only during this call
+            z = torch.empty(n_slots, 2 * I, dtype=dt, device=dev)
+            gate_up_triton(hidden, w13, sa, al, cfg, n_slots, K, z=z)
+        dA = torch.empty(n_slots, I, dtype=torch.float32, device=dev)
+        rows_gemm_triton(gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), dA, al, I, H,
+                         n_slots, K, bc.da_n, bc.da_k, bc.da_warps, stages)
+        block_i = min(bc.ew_i, next_pow2(I))
+        kernel_for(swiglu_grad_kernel, dev)[(cdiv(al.max_rows, bc.ew_r),)](
+            dA, z, topk_weights, al.sorted_slots, al.num_rows, dz, sa, dweights,
+            n_slots, I, K, dA.stride(0), z.stride(0), topk_weights.stride(0),
+            topk_weights.stride(1), dz.stride(0), sa.stride(0), dweights.stride(0),
+            dweights.stride(1),
+            BLOCK_R=bc.ew_r, BLOCK_I=block_i, num_warps=4,
+        )
+        del dA
+    else:
+        n_tiles = cdiv(I, bc.act_n)
+        ds_part = torch.empty(al.max_rows, n_tiles, dtype=torch.float32, device=dev)
+        kernel_for(act_grad_kernel, dev)[(n_blocks * n_tiles,)](
+            xs, gos, w13, w2, topk_weights, al.sorted_slots, al.block_expert, al.num_rows,
+            dz, sa, ds_part,
+            n_slots, H, I, K, n_blocks,
+            xs.stride(0), gos.stride(0),
+            w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
+            topk_weights.stride(0), topk_weights.stride(1), dz.stride(0), sa.stride(0),
+            ds_part.stride(0), z if z is not None else dz, z.stride(0) if z is not None else 0,
+            BLOCK_M=bm, BLOCK_N=bc.act_n, BLOCK_K=bc.act_k, GROUP_M=8, DOT_PRECISION=prec,
+            HAS_Z=z is not None, num_warps=bc.act_warps, num_stages=stages,
+        )
+        block_r = 64
+        kernel_for(ds_kernel, dev)[(cdiv(al.max_rows, block_r),)](
+            ds_part, al.sorted_slots, al.num_rows, dweights, n_slots, n_tiles, K,
+            ds_part.stride(0), dweights.stride(0), dweights.stride(1),
+            BLOCK_R=block_r, BLOCK_T=next_pow2(n_tiles),
+        )
 
     # dW2_e [H, I] = sum_rows dO[t]^T (s a)[row];  dW13_e [2I, H] = sum_rows dz[row]^T x[t]
     weight_grad_triton(gos, sa, dw2, al, bc, prec)
@@ -77,14 +96,8 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
 
     # dx: per-slot dz[row] @ W13_e ([2I] x [2I, H]), then the forward's deterministic combine.
     dxs = torch.empty(n_slots, H, dtype=dt, device=dev)
-    kernel_for(down_kernel, dev)[(n_blocks * cdiv(H, bc.dx_n),)](
-        dz, w13, dxs, topk_weights, al.sorted_slots, al.block_expert, al.num_rows,
-        n_slots, H, 2 * I, K,
-        dz.stride(0), w13.stride(0), w13.stride(2), w13.stride(1),
-        topk_weights.stride(0), topk_weights.stride(1), dxs.stride(0), n_blocks, H,
-        BLOCK_M=bm, BLOCK_N=bc.dx_n, BLOCK_K=bc.dx_k, GROUP_M=8, DOT_PRECISION=prec,
-        HAS_WEIGHTS=False, num_warps=bc.dx_warps, num_stages=stages,
-    )
+    rows_gemm_triton(dz, w13, (w13.stride(0), w13.stride(2), w13.stride(1)), dxs, al, H, 2 * I,
+                     n_slots, K, bc.dx_n, bc.dx_k, bc.dx_warps, stages)
     block_h = min(1024, next_pow2(H))
     kernel_for(combine_kernel, dev)[(cdiv(T, 4), cdiv(H, block_h))](
         dxs, topk_ids, dx, T, H, E, K,

@@ -85,18 +85,26 @@ class BackwardConfig:
     dx_k: int          # dx: reduction step over 2I
     dx_warps: int
     num_stages: int
+    split_act: bool = True   # dA GEMM + elementwise pass (False: the fused act_grad_kernel)
+    da_n: int = 128    # dA = dO W2_e GEMM: columns of I per program
+    da_k: int = 64     # dA GEMM: reduction step over H
+    da_warps: int = 4
+    ew_r: int = 4      # elementwise pass: rows per program
+    ew_i: int = 512    # elementwise pass: columns of I per step
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype) -> BackwardConfig:
     if device_type != "cuda":
-        return BackwardConfig(32, 32, 1, 32, 32, 16, 1, 32, 32, 1, 1)
+        return BackwardConfig(32, 32, 1, 32, 32, 16, 1, 32, 32, 1, 1, da_n=32, da_k=32, da_warps=1,
+                              ew_r=16, ew_i=32)
     big = fwd.block_m >= 128
     # H200 sweeps at T=8192 (benchmarks/NOTES.md, backward entries): 128x128x64 weight-gradient
     # tiles (128x256: equal on Mixtral, 5% better on Qwen3; 4 stages: slower), 256-wide dx tiles
     # (-12% on Mixtral), a 128-deep act_grad reduction step (-15%).
     cfg = BackwardConfig(act_n=64, act_k=128, act_warps=8 if big else 4,
                          wg_m=128, wg_n=128, wg_k=64, wg_warps=8,
-                         dx_n=256 if big else 128, dx_k=64, dx_warps=8 if big else 4, num_stages=3)
+                         dx_n=256 if big else 128, dx_k=64, dx_warps=8 if big else 4, num_stages=3,
+                         da_n=256 if big else 128, da_k=64, da_warps=8 if big else 4)
     if dtype == torch.float32:
-        cfg = replace(cfg, act_k=32, wg_k=32, dx_n=128, dx_k=32)
+        cfg = replace(cfg, act_k=32, wg_k=32, dx_n=128, dx_k=32, da_n=128, da_k=32)
     return cfg

@@ -1,0 +1,111 @@
+"""Forward-config sweep on one GPU (not part of the test suite): for each (shape, T) cell, times
+moe_ops' forward (route + dispatch, CUDA-graph replay, as `python -m moe_ops.bench --graph-all`
+does) under the heuristic config and a few variants of it, checks every variant's output against
+the heuristic's, and prints the floor fraction of each.
+
+    PYTHONPATH=. python benchmarks/sweep_forward.py [--cells mixtral_8x7b:512 ...]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+
+import torch
+
+from moe_ops import bench
+from moe_ops.launch.dispatch import dispatch_triton
+from moe_ops.tuning.heuristics import DispatchConfig, heuristic_config
+
+# The cells where the forward was slower than BENCHMARK.md's best number (RESULTS.md, bdcc6f2).
+DEFAULT_CELLS = ["mixtral_8x7b:8", "mixtral_8x7b:128", "mixtral_8x7b:512", "mixtral_8x7b:2048",
+                 "mixtral_8x7b:8192", "deepseek_v3_routed:512", "deepseek_v3_routed:2048",
+                 "deepseek_v3_routed:8192", "qwen3_30b_a3b_zipf:512"]
+
+
+def variants(base: DispatchConfig) -> dict[str, DispatchConfig]:
+    r = dataclasses.replace
+    out = {"heuristic": base}
+    if base.block_m <= 32:
+        out.update({
+            "s5": r(base, num_stages=5),
+            "n1 128": r(base, block_n1=128, block_k1=64),
+            "k 256 s3": r(base, block_k1=256, block_k2=256, num_stages=3),
+            "n2 128": r(base, block_n2=128),
+            "bm/2": r(base, block_m=max(16, base.block_m // 2)),
+            "bm*2": r(base, block_m=base.block_m * 2),
+            "w8": r(base, num_warps=8),
+        })
+    elif base.block_m == 64:
+        out.update({
+            "n1 128": r(base, block_n1=128),
+            "n1 128 w8 s3": r(base, block_n1=128, num_warps=8, num_stages=3),
+            "k 128 s3": r(base, block_k1=128, block_k2=128, num_stages=3),
+            "bm 32": DispatchConfig(32, 64, 128, 64, 128, 4, 4),
+            "bm 128": DispatchConfig(128, 128, 64, 128, 64, 8, 3),
+        })
+    else:
+        out.update({
+            "s4": r(base, num_stages=4),
+            "g16": r(base, group_m=16),
+            "g4": r(base, group_m=4),
+            "n2 256" if base.block_n2 == 128 else "n2 128": r(
+                base, block_n2=256 if base.block_n2 == 128 else 128),
+            "bm 64": DispatchConfig(64, 128, 64, 128, 64, 8, 3),
+            "bm 64 w4 s4": DispatchConfig(64, 64, 64, 128, 64, 4, 4),
+        })
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--cells", nargs="+", default=DEFAULT_CELLS, help="shape:T")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    dt = torch.bfloat16
+    timer = bench.Timer(dev, warmup_ms=25, rep_ms=100)
+    rows = []
+    weights = {}
+    for cell in args.cells:
+        name, T = cell.split(":")
+        T = int(T)
+        s = bench.SHAPES[name]
+        if name not in weights:
+            weights.clear()
+            gc.collect()
+            torch.cuda.empty_cache()
+            weights[name] = bench.make_weights(s, dev, dt, seed=0)
+        wt = weights[name]
+        hidden, logits = bench.make_tokens(s, wt, T, dev, dt, seed=1)
+        tw, ids = bench.route(s, logits, wt.bias)
+        E, H, I, K = s.E, s.H, s.I, s.K
+        n_hit = int(torch.unique(ids[ids >= 0]).numel())
+        floor_us = max((n_hit * 3 * H * I * 2 + 4 * T * H) / 4.28e12,
+                       2 * T * K * 3 * H * I / 750e12) * 1e6
+        base = heuristic_config(T, E, K, H, I, "cuda", dt)
+        ref = dispatch_triton(hidden, wt.w13, wt.w2, tw, ids, config=base)
+        for vname, cfg in variants(base).items():
+            fn = lambda: dispatch_triton(hidden, wt.w13, wt.w2, tw, ids, config=cfg)  # noqa: E731
+            try:
+                graph, out = bench.capture_graph(fn)
+                graph.replay()
+                err = bench.rel_err(out, ref)
+                us = timer(graph.replay) * 1e3
+            except Exception as exc:  # a config that does not compile (shared memory)
+                print(f"{cell} {vname}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                continue
+            finally:
+                graph = out = None
+            rows.append((cell, vname, us, floor_us / us, err, cfg))
+            print(f"{cell} {vname}: {us:.1f} us ({floor_us / us:.0%} of floor {floor_us:.0f}), "
+                  f"rel {err:.1e}", flush=True)
+        del hidden, logits, tw, ids, ref
+    print(f"\n{'cell':<26} {'variant':<14} {'us':>9} {'floor':>6} {'rel':>8}  config")
+    for cell, vname, us, frac, err, cfg in rows:
+        c = (f"bm{cfg.block_m} n1={cfg.block_n1} k1={cfg.block_k1} n2={cfg.block_n2} "
+             f"k2={cfg.block_k2} w{cfg.num_warps} s{cfg.num_stages} g{cfg.group_m}")
+        print(f"{cell:<26} {vname:<14} {us:9.1f} {frac:6.0%} {err:8.1e}  {c}")
+
+
+if __name__ == "__main__":
+    main()

@@ -25,13 +25,10 @@ def variants(base):
     r = dataclasses.replace
     return {
         "default": base,
-        "fused act_grad": r(base, split_act=False),
+        "3 stages": r(base, num_stages=3),
+        "wg 128x128": r(base, wg_n=128),
         "da n128 w4": r(base, da_n=128, da_warps=4),
-        "da k128": r(base, da_k=128),
         "ew r8 i256": r(base, ew_r=8, ew_i=256),
-        "wg 128x256": r(base, wg_n=256),
-        "4 stages": r(base, num_stages=4),
-        "4 stages wg 128x256": r(base, num_stages=4, wg_n=256),
     }
 
 

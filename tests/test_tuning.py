@@ -95,8 +95,9 @@ def test_dispatch_config_prefers_the_table_on_cuda(tmp_path, monkeypatch):
 
 def test_heuristic_block_m_follows_rows_per_expert():
     ms = [heuristic_config(T, 128, 8, 2048, 768, "cuda", torch.bfloat16).block_m
-          for T in (1, 256, 512, 1024, 8192)]
-    assert ms == [16, 16, 32, 64, 128]
+          for T in (1, 128, 256, 512, 1024, 8192)]
+    # rows per expert 0.06, 8, 16, 32, 64, 512: the smallest block >= mean + 2 sd, at most 128
+    assert ms == [16, 16, 32, 64, 128, 128]
     f32 = heuristic_config(8192, 128, 8, 2048, 768, "cuda", torch.float32)
     assert f32.block_k1 == f32.block_k2 == 32
 

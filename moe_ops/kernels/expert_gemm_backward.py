@@ -7,11 +7,13 @@ a = silu(g) * u, out_t += s * W2_e a:
   dg = da * u * sig(g) * (1 + g (1 - sig(g))),  du = da * silu(g)
   dW2_e  = sum_rows dO_t^T (s a)          dW13_e = sum_rows dz^T x_t
   dx_t   = sum_k dz_tk W13_e
-act_grad_kernel: z (saved by the forward, or recomputed) and dA tiles for a [BLOCK_M, BLOCK_N]
-  slice of I, the elementwise part in float32 registers; writes dz (gate and up halves), s*a and
-  per-tile partial sums of ds.
 hidden and grad_out are first gathered into aligned-row order (gather_rows_kernel, zero padding
   rows), so no GEMM below indexes rows through the slot table inside its reduction loop.
+dA: the forward's row GEMM (down_kernel) on the gathered dO and W2_e, float32 per slot.
+swiglu_grad_kernel: from dA and z (saved by the forward, or recomputed by the forward's gate+up
+  kernel) writes dz (gate and up halves) and s*a per row and ds per slot. (A fused version, the
+  dA tile and the elementwise part in one kernel, reached 37% of its floor on Mixtral and was
+  2.1 ms slower per layer there: benchmarks/NOTES.md, entry 10.)
 Weight gradients: weight_grad_kernel, one program per (expert, output tile), walking that
   expert's padded rows in order: float32 accumulation, no atomics, bitwise reproducible.
 dx: the forward's down_kernel shape of work (dz @ W13_e per row, per slot) then combine_kernel.
@@ -19,75 +21,6 @@ dx: the forward's down_kernel shape of work (dz @ W13_e per row, per slot) then 
 import triton
 import triton.language as tl
 
-from moe_ops.kernels.expert_gemm import gate_up_tile, grouped_tile
-
-
-@triton.jit
-def act_grad_kernel(
-    xs_ptr, gos_ptr, w13_ptr, w2_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
-    dz_ptr, sa_ptr, ds_part_ptr,
-    n_slots, H, I, top_k, n_row_blocks,
-    stride_xs, stride_gs,
-    stride_13e, stride_13n, stride_13k, stride_2e, stride_2h, stride_2i,
-    stride_tw_t, stride_tw_k, stride_dz, stride_sa, stride_dsp, z_ptr, stride_z,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HAS_Z: tl.constexpr = False,
-):
-    """xs / gos: hidden and grad_out gathered into aligned-row order (gather_rows_kernel)."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
-    num_rows = tl.load(num_rows_ptr)
-    if pid_m * BLOCK_M >= num_rows:
-        return
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_ptr + rows)
-    row_valid = slots < n_slots
-    slots64 = slots.to(tl.int64)
-    tok = slots64 // top_k
-    rows64 = rows.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    m2 = row_valid[:, None] & n_mask[None, :]
-    # dA = dO W2_e[:, tile]
-    go_ptrs = gos_ptr + rows64[:, None] * stride_gs + offs_k[None, :]
-    w2_ptrs = (w2_ptr + e * stride_2e + offs_k[:, None].to(tl.int64) * stride_2h
-               + offs_n[None, :] * stride_2i)
-    dA = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k_mask = offs_k < H - k0
-        go = tl.load(go_ptrs, mask=k_mask[None, :], other=0.0)
-        w2 = tl.load(w2_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        dA = tl.dot(go.to(w2.dtype), w2, dA, input_precision=DOT_PRECISION)
-        go_ptrs += BLOCK_K
-        w2_ptrs += BLOCK_K * stride_2h
-    # z after the dA loop, so that only one float32 tile is live across a reduction loop
-    if HAS_Z:   # z saved by the forward
-        z_ptrs = z_ptr + slots64[:, None] * stride_z + offs_n[None, :]
-        g = tl.load(z_ptrs, mask=m2, other=0.0).to(tl.float32)
-        u = tl.load(z_ptrs + I, mask=m2, other=0.0).to(tl.float32)
-    else:       # recompute z = x W13_e^T for the gate and up columns of this tile
-        g, u = gate_up_tile(xs_ptr, w13_ptr, rows64, row_valid, e, pid_n, H, I,
-                            stride_xs, 1, stride_13e, stride_13n, stride_13k,
-                            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-    s = tl.load(weights_ptr + tok * stride_tw_t + (slots64 % top_k) * stride_tw_k,
-                mask=row_valid, other=0.0).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-g))
-    silu = g * sig
-    act = silu * u
-    ds_part = tl.sum(tl.where(n_mask[None, :], dA * act, 0.0), axis=1)
-    da = dA * s[:, None]
-    dg = da * u * sig * (1.0 + g * (1.0 - sig))
-    du = da * silu
-    # Padding rows are stored too (as zeros: their gathered rows, z and s are zero) so that the
-    # weight-gradient GEMMs can walk whole padded row ranges without masks.
-    m_store = (rows < num_rows)[:, None] & n_mask[None, :]
-    dz_ptrs = dz_ptr + rows64[:, None] * stride_dz + offs_n[None, :]
-    tl.store(dz_ptrs, tl.where(m2, dg, 0.0).to(dz_ptr.dtype.element_ty), mask=m_store)
-    tl.store(dz_ptrs + I, tl.where(m2, du, 0.0).to(dz_ptr.dtype.element_ty), mask=m_store)
-    tl.store(sa_ptr + rows64[:, None] * stride_sa + offs_n[None, :],
-             tl.where(m2, act * s[:, None], 0.0).to(sa_ptr.dtype.element_ty), mask=m_store)
-    tl.store(ds_part_ptr + rows64 * stride_dsp + pid_n, ds_part, mask=row_valid)
 
 
 @triton.jit
@@ -160,25 +93,6 @@ def gather_rows_kernel(src_ptr, sorted_ptr, num_rows_ptr, dst_ptr, n_slots, top_
                     mask=valid[:, None] & h_mask[None, :], other=0.0)
         tl.store(dst_ptr + rows64[:, None] * stride_d + offs_h[None, :], v,
                  mask=in_range[:, None] & h_mask[None, :])
-
-
-@triton.jit
-def ds_kernel(ds_part_ptr, sorted_ptr, num_rows_ptr, dweights_ptr, n_slots, n_tiles, top_k,
-              stride_dsp, stride_dw_t, stride_dw_k,
-              BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
-    """d topk_weights[slot] = sum of the row's per-tile partials, in tile order."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    num_rows = tl.load(num_rows_ptr)
-    in_range = rows < num_rows
-    slots = tl.load(sorted_ptr + rows, mask=in_range, other=n_slots)
-    valid = in_range & (slots < n_slots)
-    tiles = tl.arange(0, BLOCK_T)
-    part = tl.load(ds_part_ptr + rows.to(tl.int64)[:, None] * stride_dsp + tiles[None, :],
-                   mask=valid[:, None] & (tiles < n_tiles)[None, :], other=0.0)
-    ds = tl.sum(part, axis=1)
-    slots64 = slots.to(tl.int64)
-    tl.store(dweights_ptr + (slots64 // top_k) * stride_dw_t + (slots64 % top_k) * stride_dw_k,
-             ds.to(dweights_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit

@@ -2,19 +2,20 @@
 
 The forward's alignment is recomputed (deterministic, a few small launches). The pre-activation
 z = W13_e x is either saved by the training forward (`z`, [T*K, 2I] in the input dtype: 2*K*I
-elements per token, see dispatch_triton(save_z=True)) or recomputed here (one extra gate+up GEMM,
-2/3 of the forward's flops, and no activation memory).
+elements per token, see dispatch_triton(save_z=True)) or recomputed here (the forward's gate+up GEMM,
+2/3 of the forward's flops, into a z scratch that lives only during this layer's backward: no
+activation memory is kept between forward and backward).
 Scratch during backward, per aligned row: hidden and grad_out gathered into row order [2H], dz
-[2I] + s*a [I] in the input dtype, the per-slot dx [H] in the input dtype, and n_tiles float32
-partials of ds."""
+[2I] + s*a [I] in the input dtype, dA [I] in float32 and the per-slot dx [H] in the input
+dtype."""
 from __future__ import annotations
 
 import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
 from moe_ops.kernels.expert_gemm import combine_kernel
-from moe_ops.kernels.expert_gemm_backward import (act_grad_kernel, ds_kernel, gather_rows_kernel,
-                                                  swiglu_grad_kernel, weight_grad_kernel)
+from moe_ops.kernels.expert_gemm_backward import (gather_rows_kernel, swiglu_grad_kernel,
+                                                  weight_grad_kernel)
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import _dot_precision, gate_up_triton, rows_gemm_triton
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
@@ -36,12 +37,10 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
         return dx, dw13.zero_(), dw2.zero_(), dweights
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, dt)
     bc = bwd_config or backward_config(cfg, dev.type, dt)
-    bm = cfg.block_m
-    al = align_triton(topk_ids, E, bm)
+    al = align_triton(topk_ids, E, cfg.block_m)
     if z is not None and tuple(z.shape) != (T * K, 2 * I):
         raise ValueError(f"saved z has shape {tuple(z.shape)}, expected {(T * K, 2 * I)}")
     n_slots = T * K
-    n_blocks = al.max_rows // bm
     prec = _dot_precision(dt)
     stages = bc.num_stages
 
@@ -49,44 +48,23 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     gos = gather_rows_triton(grad_out, al, n_slots, K)
     dz = torch.empty(al.max_rows, 2 * I, dtype=dt, device=dev)
     sa = torch.empty(al.max_rows, I, dtype=dt, device=dev)
-    if bc.split_act:
-        # dA = dO W2_e as a plain grouped GEMM (float32 out, per slot), then one elementwise pass
-        # over dA and z: the fused act_grad_kernel below reached 37% of its floor on Mixtral.
-        if z is None:   # recompute: the forward's gate+up GEMM; z lives only during this call
-            z = torch.empty(n_slots, 2 * I, dtype=dt, device=dev)
-            gate_up_triton(hidden, w13, sa, al, cfg, n_slots, K, z=z)
-        dA = torch.empty(n_slots, I, dtype=torch.float32, device=dev)
-        rows_gemm_triton(gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), dA, al, I, H,
-                         n_slots, K, bc.da_n, bc.da_k, bc.da_warps, stages)
-        block_i = min(bc.ew_i, next_pow2(I))
-        kernel_for(swiglu_grad_kernel, dev)[(cdiv(al.max_rows, bc.ew_r),)](
-            dA, z, topk_weights, al.sorted_slots, al.num_rows, dz, sa, dweights,
-            n_slots, I, K, dA.stride(0), z.stride(0), topk_weights.stride(0),
-            topk_weights.stride(1), dz.stride(0), sa.stride(0), dweights.stride(0),
-            dweights.stride(1),
-            BLOCK_R=bc.ew_r, BLOCK_I=block_i, num_warps=4,
-        )
-        del dA
-    else:
-        n_tiles = cdiv(I, bc.act_n)
-        ds_part = torch.empty(al.max_rows, n_tiles, dtype=torch.float32, device=dev)
-        kernel_for(act_grad_kernel, dev)[(n_blocks * n_tiles,)](
-            xs, gos, w13, w2, topk_weights, al.sorted_slots, al.block_expert, al.num_rows,
-            dz, sa, ds_part,
-            n_slots, H, I, K, n_blocks,
-            xs.stride(0), gos.stride(0),
-            w13.stride(0), w13.stride(1), w13.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
-            topk_weights.stride(0), topk_weights.stride(1), dz.stride(0), sa.stride(0),
-            ds_part.stride(0), z if z is not None else dz, z.stride(0) if z is not None else 0,
-            BLOCK_M=bm, BLOCK_N=bc.act_n, BLOCK_K=bc.act_k, GROUP_M=8, DOT_PRECISION=prec,
-            HAS_Z=z is not None, num_warps=bc.act_warps, num_stages=stages,
-        )
-        block_r = 64
-        kernel_for(ds_kernel, dev)[(cdiv(al.max_rows, block_r),)](
-            ds_part, al.sorted_slots, al.num_rows, dweights, n_slots, n_tiles, K,
-            ds_part.stride(0), dweights.stride(0), dweights.stride(1),
-            BLOCK_R=block_r, BLOCK_T=next_pow2(n_tiles),
-        )
+    # dA = dO W2_e as a plain grouped GEMM (float32 out, per slot), then one elementwise pass
+    # over dA and z.
+    if z is None:   # recompute: the forward's gate+up GEMM; z lives only during this call
+        z = torch.empty(n_slots, 2 * I, dtype=dt, device=dev)
+        gate_up_triton(hidden, w13, sa, al, cfg, n_slots, K, z=z)
+    dA = torch.empty(n_slots, I, dtype=torch.float32, device=dev)
+    rows_gemm_triton(gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), dA, al, I, H,
+                     n_slots, K, bc.da_n, bc.da_k, bc.da_warps, stages)
+    block_i = min(bc.ew_i, next_pow2(I))
+    kernel_for(swiglu_grad_kernel, dev)[(cdiv(al.max_rows, bc.ew_r),)](
+        dA, z, topk_weights, al.sorted_slots, al.num_rows, dz, sa, dweights,
+        n_slots, I, K, dA.stride(0), z.stride(0), topk_weights.stride(0),
+        topk_weights.stride(1), dz.stride(0), sa.stride(0), dweights.stride(0),
+        dweights.stride(1),
+        BLOCK_R=bc.ew_r, BLOCK_I=block_i, num_warps=4,
+    )
+    del dA
 
     # dW2_e [H, I] = sum_rows dO[t]^T (s a)[row];  dW13_e [2I, H] = sum_rows dz[row]^T x[t]
     weight_grad_triton(gos, sa, dw2, al, bc, prec)

@@ -44,26 +44,27 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
         # Interpreter: numpy runs each program; few large-ish blocks keep tiny tests fast.
         return DispatchConfig(16, 32, 32, 32, 32, 4, 1)
     rows_per_expert = T * K / max(E, 1)
-    # Small batches: BLOCK_M near the rows an expert gets, so each expert's weights stream once
-    # and little of each tile is padding.
-    if rows_per_expert <= 16:
-        block_m = 16
-    elif rows_per_expert <= 32:
-        block_m = 32
-    elif rows_per_expert <= 64:
-        block_m = 64
-    else:
-        block_m = 128
+    # Small batches: one row block per expert, so each expert's weights stream once. Routed
+    # counts scatter around the mean (~Poisson), so the block is sized for mean + 2 sd: with
+    # BLOCK_M at the mean, half the experts took two blocks and read their weights twice. H200
+    # sweep (benchmarks/NOTES.md, entry 11): Mixtral T=128 (32 rows/expert) 796 -> 697 us with
+    # BLOCK_M 64 instead of 32; DeepSeek-V3 T=512 (16 rows) 5966 -> 5138 us with 32 instead of
+    # 16; T=2048 (64 rows) 6471 -> 6255 us with 128 instead of 64.
+    need = rows_per_expert + 2.0 * rows_per_expert ** 0.5
+    block_m = 16 if need <= 16 else 32 if need <= 32 else 64 if need <= 64 else 128
     wide = dtype == torch.float32
-    if block_m <= 32:
-        cfg = DispatchConfig(block_m, 64, 128, 64, 128, 4, 4)
-    elif block_m == 64:
-        cfg = DispatchConfig(block_m, 64, 64, 128, 64, 4, 4)
+    if block_m <= 64:
+        # Weight-streaming: 4-warp programs, 128-deep steps. A 128-wide down tile on wide hidden
+        # sizes when it still leaves a program per SM (Mixtral T=8: 604 -> 570 us; DeepSeek-V3
+        # T=512: -0.5%; Qwen3 zipf T=512, H = 2048: +7%).
+        row_blocks = max(min(E, T * K), T * K / block_m)
+        wide_down = block_m <= 32 and H >= 4096 and row_blocks * H / 128 >= 132
+        cfg = DispatchConfig(block_m, 64, 128, 128 if wide_down else 64, 128, 4, 4)
     else:
-        # H200 sweep (benchmarks/NOTES.md, entry 3): 128x(2*128) gate+up tiles, 8 warps, 3
-        # stages won at T >= 2048 on Mixtral, Qwen3 and DeepSeek-V3; a 256-wide down tile paid
-        # only with >= 2048 rows per expert (Mixtral T=8192: 10.5 ms vs 10.9 ms).
-        cfg = DispatchConfig(block_m, 128, 64, 256 if rows_per_expert >= 2048 else 128, 64, 8, 3)
+        # H200 sweeps (NOTES.md, entries 3 and 11): 128x(2*128) gate+up tiles, 8 warps, 3
+        # stages. A 256-wide down tile pays on Mixtral's long down reduction (I = 14336: T=512
+        # 1152 -> 1128 us, T=8192 10.9 -> 10.5 ms) and costs on DeepSeek-V3 (I = 2048, +4%).
+        cfg = DispatchConfig(block_m, 128, 64, 256 if I >= 8192 else 128, 64, 8, 3)
     if wide:
         # float32 tiles take twice the shared memory per stage.
         cfg = replace(cfg, block_k1=32, block_k2=32, num_stages=3)
@@ -74,9 +75,6 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
 class BackwardConfig:
     """Tiles of the backward kernels (moe_ops.launch.dispatch_backward). The row block is the
     forward's block_m (the backward walks the same alignment)."""
-    act_n: int         # act_grad: columns of I per program
-    act_k: int         # act_grad: reduction step over H
-    act_warps: int
     wg_m: int          # weight gradients: output tile rows
     wg_n: int          # weight gradients: output tile columns
     wg_k: int          # weight gradients: rows of the expert per step
@@ -85,7 +83,6 @@ class BackwardConfig:
     dx_k: int          # dx: reduction step over 2I
     dx_warps: int
     num_stages: int
-    split_act: bool = True   # dA GEMM + elementwise pass (False: the fused act_grad_kernel)
     da_n: int = 128    # dA = dO W2_e GEMM: columns of I per program
     da_k: int = 64     # dA GEMM: reduction step over H
     da_warps: int = 4
@@ -95,16 +92,16 @@ class BackwardConfig:
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype) -> BackwardConfig:
     if device_type != "cuda":
-        return BackwardConfig(32, 32, 1, 32, 32, 16, 1, 32, 32, 1, 1, da_n=32, da_k=32, da_warps=1,
+        return BackwardConfig(32, 32, 16, 1, 32, 32, 1, 1, da_n=32, da_k=32, da_warps=1,
                               ew_r=16, ew_i=32)
     big = fwd.block_m >= 128
-    # H200 sweeps at T=8192 (benchmarks/NOTES.md, backward entries): 128x128x64 weight-gradient
-    # tiles (128x256: equal on Mixtral, 5% better on Qwen3; 4 stages: slower), 256-wide dx tiles
-    # (-12% on Mixtral), a 128-deep act_grad reduction step (-15%).
-    cfg = BackwardConfig(act_n=64, act_k=128, act_warps=8 if big else 4,
-                         wg_m=128, wg_n=128, wg_k=64, wg_warps=8,
-                         dx_n=256 if big else 128, dx_k=64, dx_warps=8 if big else 4, num_stages=3,
+    # H200 sweeps at T=8192 (benchmarks/NOTES.md, backward entries and entry 10): 128x256x64
+    # weight-gradient tiles with 4 stages (Mixtral 22.4 -> 19.9 ms backward, DeepSeek-V3 33.5 ->
+    # 32.1, Qwen3 3.49 -> 3.17, OLMoE 3.88 -> 3.53), 256-wide dx and dA tiles.
+    cfg = BackwardConfig(wg_m=128, wg_n=256, wg_k=64, wg_warps=8,
+                         dx_n=256 if big else 128, dx_k=64, dx_warps=8 if big else 4, num_stages=4,
                          da_n=256 if big else 128, da_k=64, da_warps=8 if big else 4)
     if dtype == torch.float32:
-        cfg = replace(cfg, act_k=32, wg_k=32, dx_n=128, dx_k=32, da_n=128, da_k=32)
+        # float32 tiles take twice the shared memory per stage.
+        cfg = replace(cfg, wg_n=128, wg_k=32, dx_n=128, dx_k=32, da_n=128, da_k=32, num_stages=3)
     return cfg

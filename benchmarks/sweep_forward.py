@@ -35,6 +35,9 @@ def variants(base: DispatchConfig) -> dict[str, DispatchConfig]:
             "bm/2": r(base, block_m=max(16, base.block_m // 2)),
             "bm*2": r(base, block_m=base.block_m * 2),
             "w8": r(base, num_warps=8),
+            "n2 128 s5": r(base, block_n2=128, num_stages=5),
+            "n2 128 k256 s3": r(base, block_n2=128, block_k1=256, block_k2=256, num_stages=3),
+            "n2 64": r(base, block_n2=64),
         })
     elif base.block_m == 64:
         out.update({
@@ -53,6 +56,9 @@ def variants(base: DispatchConfig) -> dict[str, DispatchConfig]:
                 base, block_n2=256 if base.block_n2 == 128 else 128),
             "bm 64": DispatchConfig(64, 128, 64, 128, 64, 8, 3),
             "bm 64 w4 s4": DispatchConfig(64, 64, 64, 128, 64, 4, 4),
+            "w4 k128 s4": r(base, block_n1=64, block_k1=128, block_k2=128, num_warps=4,
+                            num_stages=4),
+            "k128 s2": r(base, block_k1=128, block_k2=128, num_stages=2),
         })
     return out
 

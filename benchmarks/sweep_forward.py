@@ -38,6 +38,10 @@ def variants(base: DispatchConfig) -> dict[str, DispatchConfig]:
             "n2 128 s5": r(base, block_n2=128, num_stages=5),
             "n2 128 k256 s3": r(base, block_n2=128, block_k1=256, block_k2=256, num_stages=3),
             "n2 64": r(base, block_n2=64),
+            "n1 32": r(base, block_n1=32),
+            "n1 32 n2 32": r(base, block_n1=32, block_n2=32),
+            "n1 32 k256 s3": r(base, block_n1=32, block_k1=256, num_stages=3),
+            "n1 32 s6": r(base, block_n1=32, num_stages=6),
         })
     elif base.block_m == 64:
         out.update({

@@ -31,7 +31,6 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, hidden.dtype)
     al = align_triton(topk_ids, E, cfg.block_m)
     n_slots = T * K
-    n_blocks = al.max_rows // cfg.block_m
     act = torch.empty(al.max_rows, I, dtype=hidden.dtype, device=dev)
     z = torch.empty(T * K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else None
     gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z)
@@ -41,13 +40,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, H, I, n_slots, K,
                      cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, cfg.group_m,
                      weights=topk_weights)
-    block_t = 4
-    block_h = min(1024, next_pow2(H))
-    kernel_for(combine_kernel, dev)[(cdiv(T, block_t), cdiv(H, block_h))](
-        y, topk_ids, out, T, H, E, K,
-        topk_ids.stride(0), topk_ids.stride(1), y.stride(0), out.stride(0), out.stride(1),
-        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
-    )
+    combine_triton(y, topk_ids, out, E)
     return (out, z) if save_z else out
 
 
@@ -86,4 +79,18 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
         num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def combine_triton(y, topk_ids, out, num_experts):
+    """out[t] = sum over k in order of the per-slot rows y[t*K + k] of valid ids (float32 sum,
+    deterministic). Small T: narrow column blocks, so that more programs share the latency."""
+    T, H = out.shape
+    K = topk_ids.shape[1]
+    block_t = 4
+    block_h = min(1024 if T > 64 else 256, next_pow2(H))
+    kernel_for(combine_kernel, out.device)[(cdiv(T, block_t), cdiv(H, block_h))](
+        y, topk_ids, out, T, H, num_experts,
+        topk_ids.stride(0), topk_ids.stride(1), y.stride(0), out.stride(0), out.stride(1),
+        TOP_K=K, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
     )

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
-from moe_ops.kernels.expert_gemm import combine_kernel
 from moe_ops.kernels.expert_gemm_backward import (gather_rows_kernel, swiglu_grad_kernel,
                                                   weight_grad_kernel)
 from moe_ops.launch.alignment import align_triton
-from moe_ops.launch.dispatch import _dot_precision, gate_up_triton, rows_gemm_triton
+from moe_ops.launch.dispatch import (_dot_precision, combine_triton, gate_up_triton,
+                                     rows_gemm_triton)
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
 
@@ -76,12 +76,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     dxs = torch.empty(n_slots, H, dtype=dt, device=dev)
     rows_gemm_triton(dz, w13, (w13.stride(0), w13.stride(2), w13.stride(1)), dxs, al, H, 2 * I,
                      n_slots, K, bc.dx_n, bc.dx_k, bc.dx_warps, stages)
-    block_h = min(1024, next_pow2(H))
-    kernel_for(combine_kernel, dev)[(cdiv(T, 4), cdiv(H, block_h))](
-        dxs, topk_ids, dx, T, H, E, K,
-        topk_ids.stride(0), topk_ids.stride(1), dxs.stride(0), dx.stride(0), dx.stride(1),
-        BLOCK_T=4, BLOCK_H=block_h, num_warps=4,
-    )
+    combine_triton(dxs, topk_ids, dx, E)
     return dx, dw13, dw2, dweights
 
 

@@ -1,0 +1,63 @@
+"""Where a decode-size moe.dispatch call spends its time (one GPU; not part of the test suite):
+per-kernel device time from torch.profiler against the CUDA-graph replay time of the whole call.
+replay - sum(kernels) is what launches, dependencies and tails cost inside the graph.
+
+    PYTHONPATH=. python benchmarks/profile_decode.py [--cells qwen3_30b_a3b:1 olmoe:1 ...]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+
+from moe_ops import bench
+from moe_ops.launch.dispatch import dispatch_triton
+
+
+def kernel_times(fn, n=50):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    acc = collections.defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            acc[ev.name.split("(")[0][:24]] += ev.device_time_total / n
+    return acc
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--cells", nargs="+",
+                   default=["qwen3_30b_a3b:1", "olmoe:1", "qwen3_30b_a3b:8", "mixtral_8x7b:1"])
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    dt = torch.bfloat16
+    timer = bench.Timer(dev, warmup_ms=25, rep_ms=100)
+    rows = []
+    for cell in args.cells:
+        name, T = cell.split(":")
+        s = bench.SHAPES[name]
+        wt = bench.make_weights(s, dev, dt, seed=0)
+        hidden, logits = bench.make_tokens(s, wt, int(T), dev, dt, seed=1)
+        tw, ids = bench.route(s, logits, wt.bias)
+        fn = lambda: dispatch_triton(hidden, wt.w13, wt.w2, tw, ids)  # noqa: E731
+        graph, _ = bench.capture_graph(fn)
+        replay_us = timer(graph.replay) * 1e3
+        acc = kernel_times(graph.replay)
+        if not acc:   # a profiler that does not see into graphs: the same kernels, eager
+            acc = kernel_times(fn)
+        total = sum(acc.values())
+        kern = ", ".join(f"{k} {v:.1f}" for k, v in sorted(acc.items(), key=lambda kv: -kv[1]))
+        rows.append((cell, replay_us, total, kern))
+        print(f"{cell}: replay {replay_us:.1f} us, kernels {total:.1f} us: {kern}", flush=True)
+        del wt, graph
+        torch.cuda.empty_cache()
+    print(f"\n{'cell':<22} {'replay us':>9} {'kernels us':>10} {'gap us':>7}  per kernel (us)")
+    for cell, rep, tot, kern in rows:
+        print(f"{cell:<22} {rep:9.1f} {tot:10.1f} {rep - tot:7.1f}  {kern}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,70 +1,26 @@
 """Forward-config sweep on one GPU (not part of the test suite): for each (shape, T) cell, times
-moe_ops' forward (route + dispatch, CUDA-graph replay, as `python -m moe_ops.bench --graph-all`
-does) under the heuristic config and a few variants of it, checks every variant's output against
-the heuristic's, and prints the floor fraction of each.
+moe_ops' dispatch (CUDA-graph replay; routing done once outside, as `python -m moe_ops.bench
+--graph-all` times it) under the heuristic config and its neighbours
+(moe_ops.tuning.heuristics.neighbours), checks every variant's output against the heuristic's,
+and prints the floor fraction of each.
 
     PYTHONPATH=. python benchmarks/sweep_forward.py [--cells mixtral_8x7b:512 ...]
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 
 import torch
 
 from moe_ops import bench
 from moe_ops.launch.dispatch import dispatch_triton
-from moe_ops.tuning.heuristics import DispatchConfig, heuristic_config
+from moe_ops.tuning.heuristics import heuristic_config, neighbours
 
 # The cells where the forward was slower than BENCHMARK.md's best number (RESULTS.md, bdcc6f2).
 DEFAULT_CELLS = ["mixtral_8x7b:8", "mixtral_8x7b:128", "mixtral_8x7b:512", "mixtral_8x7b:2048",
                  "mixtral_8x7b:8192", "deepseek_v3_routed:512", "deepseek_v3_routed:2048",
                  "deepseek_v3_routed:8192", "qwen3_30b_a3b_zipf:512"]
-
-
-def variants(base: DispatchConfig) -> dict[str, DispatchConfig]:
-    r = dataclasses.replace
-    out = {"heuristic": base}
-    if base.block_m <= 32:
-        out.update({
-            "s5": r(base, num_stages=5),
-            "n1 128": r(base, block_n1=128, block_k1=64),
-            "k 256 s3": r(base, block_k1=256, block_k2=256, num_stages=3),
-            "n2 128": r(base, block_n2=128),
-            "bm/2": r(base, block_m=max(16, base.block_m // 2)),
-            "bm*2": r(base, block_m=base.block_m * 2),
-            "w8": r(base, num_warps=8),
-            "n2 128 s5": r(base, block_n2=128, num_stages=5),
-            "n2 128 k256 s3": r(base, block_n2=128, block_k1=256, block_k2=256, num_stages=3),
-            "n2 64": r(base, block_n2=64),
-            "n1 32": r(base, block_n1=32),
-            "n1 32 n2 32": r(base, block_n1=32, block_n2=32),
-            "n1 32 k256 s3": r(base, block_n1=32, block_k1=256, num_stages=3),
-            "n1 32 s6": r(base, block_n1=32, num_stages=6),
-        })
-    elif base.block_m == 64:
-        out.update({
-            "n1 128": r(base, block_n1=128),
-            "n1 128 w8 s3": r(base, block_n1=128, num_warps=8, num_stages=3),
-            "k 128 s3": r(base, block_k1=128, block_k2=128, num_stages=3),
-            "bm 32": DispatchConfig(32, 64, 128, 64, 128, 4, 4),
-            "bm 128": DispatchConfig(128, 128, 64, 128, 64, 8, 3),
-        })
-    else:
-        out.update({
-            "s4": r(base, num_stages=4),
-            "g16": r(base, group_m=16),
-            "g4": r(base, group_m=4),
-            "n2 256" if base.block_n2 == 128 else "n2 128": r(
-                base, block_n2=256 if base.block_n2 == 128 else 128),
-            "bm 64": DispatchConfig(64, 128, 64, 128, 64, 8, 3),
-            "bm 64 w4 s4": DispatchConfig(64, 64, 64, 128, 64, 4, 4),
-            "w4 k128 s4": r(base, block_n1=64, block_k1=128, block_k2=128, num_warps=4,
-                            num_stages=4),
-            "k128 s2": r(base, block_k1=128, block_k2=128, num_stages=2),
-        })
-    return out
 
 
 def main():
@@ -94,7 +50,7 @@ def main():
                        2 * T * K * 3 * H * I / 750e12) * 1e6
         base = heuristic_config(T, E, K, H, I, "cuda", dt)
         ref = dispatch_triton(hidden, wt.w13, wt.w2, tw, ids, config=base)
-        for vname, cfg in variants(base).items():
+        for vname, cfg in neighbours(base, dt).items():
             fn = lambda: dispatch_triton(hidden, wt.w13, wt.w2, tw, ids, config=cfg)  # noqa: E731
             try:
                 graph, out = bench.capture_graph(fn)

@@ -2,6 +2,7 @@
 
     python -m moe_ops.tune --shapes qwen3_30b_a3b olmoe --tokens 1 8 32 128 512 2048 8192
     python -m moe_ops.tune --shape 4096,14336,8,2 --tokens 1 64    # H,I,E,K
+    python -m moe_ops.tune --quick --shapes mixtral_8x7b             # ~10 candidates per T
 
 Every candidate's output is checked against the heuristic config's output before it is timed
 (CUDA-graph replay, median of triton.testing.do_bench: no host overhead in the figure). The best
@@ -22,15 +23,17 @@ import torch
 import moe_ops  # noqa: F401  (registers the ops)
 from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.ops.samples import make_dispatch_inputs
-from moe_ops.tuning.heuristics import DispatchConfig, heuristic_config
+from moe_ops.tuning.heuristics import DispatchConfig, heuristic_config, neighbours
 from moe_ops.tuning.shapes import SHAPES
 from moe_ops.tuning.tables import config_to_dict, write_table
 
 
-def candidates(T, E, K, H, I, dtype, device_type):
+def candidates(T, E, K, H, I, dtype, device_type, quick=False):
     base = heuristic_config(T, E, K, H, I, device_type, dtype)
     if device_type != "cuda":
         return [base, dataclasses.replace(base, block_n1=16, block_n2=16)]
+    if quick:
+        return list(neighbours(base, dtype).values())
     rows = T * K / max(E, 1)
     block_ms = sorted({m for m in (16, 32, 64, 128) if m <= max(16, 2 * rows)} | {base.block_m})
     out = {base}
@@ -63,13 +66,13 @@ def _time(fn, device_type):
     return triton.testing.do_bench(graph.replay, warmup=5, rep=20, return_mode="median")
 
 
-def tune_shape(H, I, E, K, tokens, dtype, device, progress):
+def tune_shape(H, I, E, K, tokens, dtype, device, progress, quick=False):
     configs = {}
     for T in tokens:
         args = make_dispatch_inputs(T, H, I, E, K, dtype=dtype, device=device, weight_std=0.02)
         ref = dispatch_triton(*args, config=heuristic_config(T, E, K, H, I, device.type, dtype))
         best = None
-        for cfg in candidates(T, E, K, H, I, dtype, device.type):
+        for cfg in candidates(T, E, K, H, I, dtype, device.type, quick):
             progress(f"H={H} I={I} E={E} K={K} T={T}")
             try:
                 out = dispatch_triton(*args, config=cfg)
@@ -100,6 +103,9 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out-dir", default=None, help="where the table goes (default: the package's)")
+    p.add_argument("--quick", action="store_true",
+                   help="only the heuristic's neighbours (~10 candidates per token count instead "
+                        "of ~100; moe_ops.tuning.heuristics.neighbours)")
     args = p.parse_args(argv)
     shapes = [SHAPES[n] for n in args.shapes] + [tuple(int(v) for v in s.split(",")) for s in args.shape]
     if not shapes:
@@ -112,7 +118,7 @@ def main(argv=None):
         if not interpret_enabled():
             p.error("on CPU, set TRITON_INTERPRET=1 (a smoke test through Triton's interpreter)")
         require_interpreter()
-    total = sum(len(candidates(T, E, K, H, I, dtype, device.type))
+    total = sum(len(candidates(T, E, K, H, I, dtype, device.type, args.quick))
                 for H, I, E, K in shapes for T in args.tokens)
     done = [0]
     try:
@@ -128,7 +134,8 @@ def main(argv=None):
         def progress(desc):
             done[0] += 1
             print(f"[{done[0]}/{total}] {desc}", end="\r", file=sys.stderr)
-    entries = [tune_shape(H, I, E, K, args.tokens, dtype, device, progress) for H, I, E, K in shapes]
+    entries = [tune_shape(H, I, E, K, args.tokens, dtype, device, progress, args.quick)
+               for H, I, E, K in shapes]
     if bar is not None:
         bar.close()
     import triton

@@ -110,3 +110,31 @@ def test_tune_cli_smoke_through_interpreter(interpreter, tmp_path, capsys):
     table = json.loads((tmp_path / "cpu-interpreter.json").read_text())
     assert sorted(table["entries"][0]["configs"], key=int) == ["1", "9"]
     assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [1, 8, 128, 512, 2048, 8192])
+def test_neighbours_distinct_and_valid(T, dtype):
+    from moe_ops.tuning.heuristics import neighbours
+
+    for H, I, E, K in [(4096, 14336, 8, 2), (2048, 768, 128, 8), (7168, 2048, 256, 8)]:
+        base = heuristic_config(T, E, K, H, I, "cuda", dtype)
+        cands = neighbours(base, dtype)
+        assert next(iter(cands.values())) == base
+        assert len(set(cands.values())) == len(cands) >= 5
+        for cfg in cands.values():
+            for v in (cfg.block_m, cfg.block_n1, cfg.block_k1, cfg.block_n2, cfg.block_k2):
+                assert v >= 16 and v & (v - 1) == 0, cfg
+            assert cfg.block_m <= 128 and cfg.num_warps in (4, 8)
+            if dtype == torch.float32:   # shared memory: 32-deep steps, <= 3 stages
+                assert cfg.block_k1 <= 32 and cfg.block_k2 <= 32 and cfg.num_stages <= 3, cfg
+
+
+def test_tune_quick_uses_neighbours():
+    from moe_ops import tune
+    from moe_ops.tuning.heuristics import neighbours
+
+    base = heuristic_config(512, 8, 2, 4096, 14336, "cuda", torch.bfloat16)
+    got = tune.candidates(512, 8, 2, 4096, 14336, torch.bfloat16, "cuda", quick=True)
+    assert got == list(neighbours(base).values())
+    assert len(got) < len(tune.candidates(512, 8, 2, 4096, 14336, torch.bfloat16, "cuda"))

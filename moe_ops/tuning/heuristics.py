@@ -71,6 +71,56 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
     return cfg
 
 
+def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, DispatchConfig]:
+    """A dozen variants of a heuristic config, named: the ones the H200 sweeps of
+    benchmarks/NOTES.md (entries 11-12) found to matter per regime. `benchmarks/sweep_forward.py`
+    times them; `python -m moe_ops.tune --quick` picks the best of them per token count (~10
+    candidates instead of ~100). float32 variants keep 32-deep steps and <= 3 stages (shared
+    memory). Duplicates of the base or of each other are dropped; the base comes first."""
+    r = replace
+    if base.block_m <= 32:
+        cands = {
+            "s5": r(base, num_stages=5),
+            "gate/up n128": r(base, block_n1=128, block_k1=64),
+            "gate/up n32": r(base, block_n1=32),
+            "gate/up n32 k256 s3": r(base, block_n1=32, block_k1=256, num_stages=3),
+            "k256 s3": r(base, block_k1=256, block_k2=256, num_stages=3),
+            "down n128": r(base, block_n2=128),
+            "down n64": r(base, block_n2=64),
+            "bm/2": r(base, block_m=max(16, base.block_m // 2)),
+            "bm*2": r(base, block_m=base.block_m * 2),
+            "w8": r(base, num_warps=8),
+        }
+    elif base.block_m == 64:
+        cands = {
+            "gate/up n128": r(base, block_n1=128, block_k1=64),
+            "gate/up n128 w8 s3": r(base, block_n1=128, block_k1=64, num_warps=8, num_stages=3),
+            "down n128": r(base, block_n2=128),
+            "bm 32": DispatchConfig(32, 64, 128, 64, 128, 4, 4),
+            "bm 128": DispatchConfig(128, 128, 64, 128, 64, 8, 3),
+        }
+    else:
+        cands = {
+            "s4": r(base, num_stages=4),
+            "g16": r(base, group_m=16),
+            "g4": r(base, group_m=4),
+            "down n256" if base.block_n2 != 256 else "down n128": r(
+                base, block_n2=256 if base.block_n2 != 256 else 128),
+            "bm 64": DispatchConfig(64, 128, 64, 128, 64, 8, 3),
+            "bm 64 w4 s4": DispatchConfig(64, 64, 64, 128, 64, 4, 4),
+        }
+    out = {"heuristic": base}
+    seen = {base}
+    for name, cfg in cands.items():
+        if dtype == torch.float32:
+            cfg = r(cfg, block_k1=min(cfg.block_k1, 32), block_k2=min(cfg.block_k2, 32),
+                    num_stages=min(cfg.num_stages, 3))
+        if cfg not in seen:
+            seen.add(cfg)
+            out[name] = cfg
+    return out
+
+
 @dataclass(frozen=True)
 class BackwardConfig:
     """Tiles of the backward kernels (moe_ops.launch.dispatch_backward). The row block is the

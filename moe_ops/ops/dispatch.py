@@ -11,8 +11,7 @@ import torch
 from moe_ops._runtime import recompute_enabled, use_triton
 from moe_ops.ops._registry import _lib, define
 from moe_ops.ops.checks import check_dispatch, check_ids_in_range, check_tensor_args
-from moe_ops.reference.dispatch import (dispatch_backward_reference, dispatch_reference,
-                                        dispatch_z_reference)
+from moe_ops.reference.dispatch import dispatch_backward_reference, dispatch_reference
 
 DISPATCH_SCHEMA = (
     "dispatch(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
@@ -50,8 +49,7 @@ def _forward(hidden, w13, w2, topk_weights, topk_ids, activation, save_z):
                                   save_z=save_z)
             return tuple(r.to(hidden.dtype) for r in res) if save_z else res.to(hidden.dtype)
         return dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation, save_z=save_z)
-    out = dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activation)
-    return (out, dispatch_z_reference(hidden, w13, topk_ids)) if save_z else out
+    return dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activation, return_z=save_z)
 
 
 def _backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, activation):

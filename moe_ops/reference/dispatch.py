@@ -22,24 +22,32 @@ def _expert_slots(topk_ids: torch.Tensor, num_experts: int):
         yield e, slots, torch.div(slots, K, rounding_mode="floor")
 
 
-def dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+def dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activation="silu", return_z=False):
+    """out [T, H]; with return_z also z = [g | u] per slot ([T*K, 2I], the input dtype, zeros for
+    ids < 0), from the same per-expert products (moe.dispatch_train's CPU kernel)."""
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     cd = _compute_dtype(hidden.dtype)
     out = torch.zeros(T, H, dtype=cd, device=hidden.device)
+    z_all = (torch.zeros(topk_ids.numel(), 2 * I, dtype=hidden.dtype, device=hidden.device)
+             if return_z else None)
     weights = topk_weights.reshape(-1).to(cd)
     for e, slots, tok in _expert_slots(topk_ids, E):
         x = hidden[tok].to(cd)
         z = x @ w13[e].to(cd).t()
+        if return_z:
+            z_all[slots] = z.to(hidden.dtype)
         a = F.silu(z[:, :I]) * z[:, I:]
         y = (a @ w2[e].to(cd).t()) * weights[slots, None]
         out.index_add_(0, tok, y)
-    return out.to(hidden.dtype)
+    out = out.to(hidden.dtype)
+    return (out, z_all) if return_z else out
 
 
 def dispatch_z_reference(hidden, w13, topk_ids):
     """z = [g | u] = W13_e x_t per slot ([T*K, 2I], the input dtype; zeros for ids < 0): what
-    the training forward saves for the backward."""
+    the training forward saves for the backward. Computed on its own (the tests' oracle for
+    dispatch_reference(return_z=True) and the Triton forward's z)."""
     T, H = hidden.shape
     E = w13.shape[0]
     cd = _compute_dtype(hidden.dtype)

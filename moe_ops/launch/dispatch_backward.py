@@ -64,7 +64,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
         dweights.stride(1),
         BLOCK_R=bc.ew_r, BLOCK_I=block_i, num_warps=4,
     )
-    del dA
+    del dA, z   # a recomputed z is freed here, before the weight-gradient GEMMs
 
     # dW2_e [H, I] = sum_rows dO[t]^T (s a)[row];  dW13_e [2I, H] = sum_rows dz[row]^T x[t]
     weight_grad_triton(gos, sa, dw2, al, bc, prec)

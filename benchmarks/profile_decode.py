@@ -7,24 +7,11 @@ replay - sum(kernels) is what launches, dependencies and tails cost inside the g
 from __future__ import annotations
 
 import argparse
-import collections
 
 import torch
 
 from moe_ops import bench
 from moe_ops.launch.dispatch import dispatch_triton
-
-
-def kernel_times(fn, n=50):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    acc = collections.defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            acc[ev.name.split("(")[0][:24]] += ev.device_time_total / n
-    return acc
 
 
 def main():
@@ -45,9 +32,9 @@ def main():
         fn = lambda: dispatch_triton(hidden, wt.w13, wt.w2, tw, ids)  # noqa: E731
         graph, _ = bench.capture_graph(fn)
         replay_us = timer(graph.replay) * 1e3
-        acc = kernel_times(graph.replay)
+        acc = bench.kernel_times_us(graph.replay, n=50, name_len=24)
         if not acc:   # a profiler that does not see into graphs: the same kernels, eager
-            acc = kernel_times(fn)
+            acc = bench.kernel_times_us(fn, n=50, name_len=24)
         total = sum(acc.values())
         kern = ", ".join(f"{k} {v:.1f}" for k, v in sorted(acc.items(), key=lambda kv: -kv[1]))
         rows.append((cell, replay_us, total, kern))

@@ -8,13 +8,13 @@ default variant's (bitwise-equal weight-gradient order is not expected across ti
 from __future__ import annotations
 
 import argparse
-import collections
 import gc
 import dataclasses
 
 import torch
 import triton
 
+from moe_ops import bench
 from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.launch.dispatch_backward import dispatch_backward_triton
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
@@ -33,15 +33,8 @@ def variants(base):
 
 
 def kernel_times(fn, n=3):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    acc = collections.defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            acc[ev.name.split("(")[0][:28]] += ev.device_time_total / n / 1000.0
-    return dict(sorted(acc.items(), key=lambda kv: -kv[1]))
+    """ms per call of each kernel."""
+    return {k: v / 1000.0 for k, v in bench.kernel_times_us(fn, n).items()}
 
 
 def rel(a, b):

@@ -148,6 +148,22 @@ def capture_graph(fn: Callable[[], torch.Tensor]):
 # Environment and ceilings
 # --------------------------------------------------------------------------------------------
 
+def kernel_times_us(fn: Callable[[], object], n: int = 3, name_len: int = 28) -> dict[str, float]:
+    """Device time per call of each CUDA kernel `fn` launches (also inside a CUDA-graph replay),
+    in microseconds, from torch.profiler over n calls; largest first."""
+    import collections
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    acc = collections.defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            acc[ev.name.split("(")[0][:name_len]] += ev.device_time_total / n
+    return dict(sorted(acc.items(), key=lambda kv: -kv[1]))
+
+
 def git_sha() -> str:
     """The checkout's commit (with -dirty for uncommitted changes to tracked files), when moe_ops
     is imported from a git checkout; "unknown" for an installed copy (whose site-packages may sit

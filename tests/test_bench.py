@@ -143,3 +143,10 @@ def test_benchmark_scripts_import(script, monkeypatch):
     monkeypatch.setitem(sys.modules, name, mod)   # dataclasses look their module up there
     spec.loader.exec_module(mod)
     assert callable(getattr(mod, "main", None)), script
+
+
+def test_run_gpu_script_parses():
+    """benchmarks/run_gpu.sh only runs on the GPU machine: at least its syntax is checked here."""
+    r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "run_gpu.sh")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -343,3 +343,8 @@ def test_interpreter_bfloat16_is_correct(interpreter):
     for a, r in zip(args[:4], ref_args[:4]):
         assert a.grad.dtype == a.dtype
         assert rel_err(a.grad, r.grad) <= RTOL[torch.bfloat16]
+
+
+def test_many_slots_per_token(interpreter):
+    # K = E = 40 (contract: any K <= E), including dropped ids.
+    _check(5, 8, 6, 40, 40, torch.float32, "negative", seed=8)

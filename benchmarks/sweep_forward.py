@@ -44,11 +44,10 @@ def main():
         wt = weights[name]
         hidden, logits = bench.make_tokens(s, wt, T, dev, dt, seed=1)
         tw, ids = bench.route(s, logits, wt.bias)
-        E, H, I, K = s.E, s.H, s.I, s.K
-        n_hit = int(torch.unique(ids[ids >= 0]).numel())
-        floor_us = max((n_hit * 3 * H * I * 2 + 4 * T * H) / 4.28e12,
-                       2 * T * K * 3 * H * I / 750e12) * 1e6
-        base = heuristic_config(T, E, K, H, I, "cuda", dt)
+        n_bytes, flops = bench.floor_terms(s, T, int(torch.unique(ids[ids >= 0]).numel()),
+                                           hidden.element_size())
+        floor_us = max(n_bytes / 4.28e12, flops / 750e12) * 1e6   # BENCHMARK.md's nominal rates
+        base = heuristic_config(T, s.E, s.K, s.H, s.I, "cuda", dt)
         ref = dispatch_triton(hidden, wt.w13, wt.w2, tw, ids, config=base)
         for vname, cfg in neighbours(base, dt).items():
             fn = lambda: dispatch_triton(hidden, wt.w13, wt.w2, tw, ids, config=cfg)  # noqa: E731

@@ -377,6 +377,13 @@ def run_impl(name: str, b: bl.Baseline, args_for: Callable, ref: Optional[torch.
     return r
 
 
+def floor_terms(s: Shape, T: int, experts_hit: int, esize: int) -> tuple[int, int]:
+    """(bytes, flops) of one forward call, BENCHMARK.md's floor: the weights of the experts hit
+    plus the activations in and out; 2*T*K*3*H*I flops."""
+    n_bytes = 3 * s.H * s.I * esize * experts_hit + 2 * T * s.H * esize
+    return n_bytes, 2 * T * s.K * 3 * s.H * s.I
+
+
 def run_cell(s: Shape, wt: Weights, T: int, impls: dict, unavailable: dict, over_budget: dict,
              opts, device, dtype, timer: Timer, bw: float, rate: float, log) -> Cell:
     """Routes T tokens, times routing, checks and times every implementation on them."""
@@ -387,8 +394,7 @@ def run_cell(s: Shape, wt: Weights, T: int, impls: dict, unavailable: dict, over
     hit = int((counts > 0).sum().item())
     max_load = counts.max().item() / (T * s.K / hit)
     esize = hidden.element_size()
-    n_bytes = 3 * s.H * s.I * esize * hit + 2 * T * s.H * esize
-    flops = 2 * T * s.K * 3 * s.H * s.I
+    n_bytes, flops = floor_terms(s, T, hit, esize)
     floor_us = max(n_bytes / bw, flops / rate) * 1e6
     use_graph = device.type == "cuda" and not opts.no_graph and (opts.graph_all or T <= 128)
 

@@ -54,15 +54,10 @@ def _time(fn, device_type):
         return (time.perf_counter() - t0) * 1e3
     import triton
 
+    from moe_ops.bench import capture_graph
+
     fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = capture_graph(fn)
     return triton.testing.do_bench(graph.replay, warmup=5, rep=20, return_mode="median")
 
 

@@ -472,24 +472,10 @@ def main(argv=None) -> int:
     tokens = sorted(set(opts.tokens or (TINY_TOKENS if opts.tiny else TOKENS)))
     impl_names = [n for n in IMPLS if n in (opts.impls or IMPLS)]
 
-    lines: list[str] = []
-
-    def log(msg: str = ""):
-        print(msg, flush=True)
-        lines.append(msg)
-
-    env = bm.environment(device)
-    for k, v in env:
-        log(f"{k:13s} {v}")
-    if device.type != "cuda":
-        log(f"{'note':13s} no CUDA: timing with time.perf_counter, no peak memory; moe_ops runs "
-            "its CPU path (torch reference)")
-        if not opts.tiny:
-            log(f"{'warning':13s} full-size shapes on CPU are very slow; --tiny is the CPU smoke test")
-    timer = bm.Timer(device, opts.warmup_ms, opts.rep_ms)
-    _bw, rate, ceil_desc = bm.measure_ceilings(device, timer, opts.tiny)
-    env.append(("ceilings", ceil_desc))
-    log(f"{'ceilings':13s} {ceil_desc}")
+    log = bm.log
+    env, timer, _bw, rate = bm.start_run(
+        device, opts, "no CUDA: timing with time.perf_counter, no peak memory; moe_ops runs its "
+        "CPU path (torch reference)")
     unavailable = {}
     for n in impl_names:
         ok, why = availability(n, device)

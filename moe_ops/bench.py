@@ -148,6 +148,28 @@ def capture_graph(fn: Callable[[], torch.Tensor]):
 # Environment and ceilings
 # --------------------------------------------------------------------------------------------
 
+def log(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def start_run(device: torch.device, opts, cpu_note: str):
+    """The opening of a benchmark run (moe_ops.bench, benchmarks/bench_train.py): prints the
+    environment (and `cpu_note` off CUDA), measures the ceilings. Returns (env, timer, copy
+    bandwidth, matmul rate); env ends with the ceilings entry."""
+    env = environment(device)
+    for k, v in env:
+        log(f"{k:13s} {v}")
+    if device.type != "cuda":
+        log(f"{'note':13s} {cpu_note}")
+        if not opts.tiny:
+            log(f"{'warning':13s} full-size shapes on CPU are very slow; --tiny is the CPU smoke test")
+    timer = Timer(device, opts.warmup_ms, opts.rep_ms)
+    bw, rate, ceil_desc = measure_ceilings(device, timer, opts.tiny)
+    env.append(("ceilings", ceil_desc))
+    log(f"{'ceilings':13s} {ceil_desc}")
+    return env, timer, bw, rate
+
+
 def kernel_times_us(fn: Callable[[], object], n: int = 3, name_len: int = 28) -> dict[str, float]:
     """Device time per call of each CUDA kernel `fn` launches (also inside a CUDA-graph replay),
     in microseconds, from torch.profiler over n calls; largest first."""
@@ -723,24 +745,9 @@ def main(argv=None) -> int:
     impl_names = opts.impls or IMPLS
     impl_names = [n for n in IMPLS if n in impl_names]
 
-    lines: list[str] = []
-
-    def log(msg: str = ""):
-        print(msg, flush=True)
-        lines.append(msg)
-
-    env = environment(device)
-    for k, v in env:
-        log(f"{k:13s} {v}")
-    if device.type != "cuda":
-        log(f"{'note':13s} no CUDA: timing with time.perf_counter, no CUDA-graph timing; moe_ops runs "
-            "its CPU path (torch reference, or the Triton interpreter with TRITON_INTERPRET=1)")
-        if not opts.tiny:
-            log(f"{'warning':13s} full-size shapes on CPU are very slow; --tiny is the CPU smoke test")
-    timer = Timer(device, opts.warmup_ms, opts.rep_ms)
-    bw, rate, ceil_desc = measure_ceilings(device, timer, opts.tiny)
-    env.append(("ceilings", ceil_desc))
-    log(f"{'ceilings':13s} {ceil_desc}")
+    env, timer, bw, rate = start_run(
+        device, opts, "no CUDA: timing with time.perf_counter, no CUDA-graph timing; moe_ops runs "
+        "its CPU path (torch reference, or the Triton interpreter with TRITON_INTERPRET=1)")
 
     all_impls = implementations()
     impls = {n: all_impls[n] for n in impl_names}

@@ -25,6 +25,7 @@ def variants(base):
     r = dataclasses.replace
     return {
         "default": base,
+        "tma": r(base, tma=True),
         "3 stages": r(base, num_stages=3),
         "wg 128x128": r(base, wg_n=128),
         "da n128 w4": r(base, da_n=128, da_warps=4),

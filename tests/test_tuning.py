@@ -42,7 +42,8 @@ class TestTableFormat(TestCase):
      "block_n2": 64,
      "group_m": 8,
      "num_stages": 4,
-     "num_warps": 4
+     "num_warps": 4,
+     "tma": false
     }
    },
    "dtype": "bfloat16"

@@ -29,17 +29,35 @@ def grouped_tile(pid, n_row_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.conste
 def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
                  stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, w_desc=None, USE_TMA: tl.constexpr = False):
     """(gate, up) pre-activations [BLOCK_M, BLOCK_N] of the rows of tokens `tok` for expert `e`
-    and columns pid_n*BLOCK_N.. of I, accumulated in float32 over H. One [BLOCK_K, 2*BLOCK_N]
-    weight tile per step: gate columns n0..n0+BN, then the matching up columns I+n0..: a single
-    N=2*BLOCK_N product (wgmma's widest shape) instead of two."""
+    and columns pid_n*BLOCK_N.. of I, accumulated in float32 over H. Pointer path: one
+    [BLOCK_K, 2*BLOCK_N] weight tile per step, gate columns n0..n0+BN then the matching up columns
+    I+n0..: a single N=2*BLOCK_N product (wgmma's widest shape) instead of two. TMA path
+    (USE_TMA, `w_desc` a [E, 2I, H] descriptor with block [1, BLOCK_N, BLOCK_K]): the gate and up
+    tiles come by tensor-memory copies, no address arithmetic or masks (out-of-range rows and
+    columns are zero-filled, or belong to columns >= I that the caller never stores), two
+    products."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    if USE_TMA:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        n0 = pid_n * BLOCK_N
+        e32 = e.to(tl.int32)
+        for k0 in range(0, H, BLOCK_K):
+            k_mask = offs_k < H - k0
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+            g_w = tl.reshape(w_desc.load([e32, n0, k0]), (BLOCK_N, BLOCK_K))
+            u_w = tl.reshape(w_desc.load([e32, I + n0, k0]), (BLOCK_N, BLOCK_K))
+            acc_g = tl.dot(a, tl.trans(g_w), acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a, tl.trans(u_w), acc_u, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_xh
+        return acc_g, acc_u
     cols = tl.arange(0, 2 * BLOCK_N)
     is_up = cols >= BLOCK_N
     w_rows = pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N + I, cols)
     w_mask = (pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N, cols)) < I
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
     w_ptrs = (w_ptr + e * stride_we + w_rows[None, :].to(tl.int64) * stride_wn
               + offs_k[:, None] * stride_wk)
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
@@ -60,7 +78,8 @@ def gate_up_kernel(
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_am,
     n_row_blocks, N, z_ptr, stride_z,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr = False, w_desc=None,
+    USE_TMA: tl.constexpr = False,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     num_rows = tl.load(num_rows_ptr)
@@ -75,7 +94,7 @@ def gate_up_kernel(
     n_mask = offs_n < I
     acc_g, acc_u = gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
                                 stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                                BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                                BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, w_desc, USE_TMA)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     rows64 = rows.to(tl.int64)
     m2 = row_valid[:, None] & n_mask[None, :]
@@ -94,8 +113,12 @@ def down_kernel(
     stride_am, stride_we, stride_wn, stride_wk, stride_tw_t, stride_tw_k, stride_ym,
     n_row_blocks, N,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr = True,
+    DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr = True, w_desc=None,
+    TMA_LAYOUT: tl.constexpr = 0,
 ):
+    """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
+    block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
+    contiguous, block [1, BLOCK_K, BLOCK_N]; w2 for dA, w13 for dx)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     num_rows = tl.load(num_rows_ptr)
     if pid_m * BLOCK_M >= num_rows:
@@ -112,10 +135,17 @@ def down_kernel(
     b_ptrs = (w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
               + offs_k[:, None] * stride_wk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    n0 = pid_n * BLOCK_N
+    e32 = e.to(tl.int32)
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if TMA_LAYOUT == 1:
+            b = tl.trans(tl.reshape(w_desc.load([e32, n0, k0]), (BLOCK_N, BLOCK_K)))
+        elif TMA_LAYOUT == 2:
+            b = tl.reshape(w_desc.load([e32, k0, n0]), (BLOCK_K, BLOCK_N))
+        else:
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wk

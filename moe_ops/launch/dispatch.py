@@ -39,7 +39,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     y = torch.empty(n_slots, H, dtype=hidden.dtype, device=dev)
     rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, H, I, n_slots, K,
                      cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, cfg.group_m,
-                     weights=topk_weights)
+                     weights=topk_weights, tma=cfg.tma)
     combine_triton(y, topk_ids, out, E)
     return (out, z) if save_z else out
 
@@ -51,6 +51,7 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None):
     I = act.shape[1]
     n_blocks = al.max_rows // cfg.block_m
     zz = act if z is None else z
+    w_desc = weight_desc(w13, [1, cfg.block_n1, cfg.block_k1]) if cfg.tma else None
     kernel_for(gate_up_kernel, hidden.device)[(n_blocks * cdiv(I, cfg.block_n1),)](
         hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, top_k,
@@ -58,19 +59,29 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None):
         act.stride(0), n_blocks, I, zz, zz.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
         DOT_PRECISION=_dot_precision(hidden.dtype), SAVE_Z=z is not None,
+        w_desc=w_desc, USE_TMA=w_desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
-                     num_warps, num_stages, group_m=8, weights=None):
+                     num_warps, num_stages, group_m=8, weights=None, tma=False):
     """y[slot] = (weights[slot] *) a[row] @ W_e^T ([N]) for the aligned rows: `a` is contiguous in
     aligned-row order ([max_rows, K_red]); W_e[n, k] = w[e*w_strides[0] + n*w_strides[1] +
     k*w_strides[2]] (any layout); y is per slot ([T*K, N], rows of ids < 0 unwritten). The
-    forward's down GEMM, and in the backward dA = dO W2_e and dx = dz W13_e."""
+    forward's down GEMM, and in the backward dA = dO W2_e and dx = dz W13_e. With `tma`, W_e's
+    tiles come through a tensor descriptor of `w` when its layout allows one ([E, N, K] or
+    [E, K, N] storage with 16-byte aligned rows)."""
     bm = al.block_m
     n_blocks = al.max_rows // bm
     tw = weights if weights is not None else y
+    w_desc, layout = None, 0
+    if tma and tuple(w_strides) == tuple(w.stride()):       # storage [E, N, K]
+        w_desc, layout = weight_desc(w, [1, block_n, block_k]), 1
+    elif tma and tuple(w_strides) == (w.stride(0), w.stride(2), w.stride(1)):   # [E, K, N]
+        w_desc, layout = weight_desc(w, [1, block_k, block_n]), 2
+    if w_desc is None:
+        layout = 0
     kernel_for(down_kernel, a.device)[(n_blocks * cdiv(N, block_n),)](
         a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, N, K_red, top_k,
@@ -78,7 +89,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         tw.stride(0), tw.stride(1), y.stride(0), n_blocks, N,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        w_desc=w_desc, TMA_LAYOUT=layout, num_warps=num_warps, num_stages=num_stages,
     )
 
 
@@ -94,3 +105,15 @@ def combine_triton(y, topk_ids, out, num_experts):
         topk_ids.stride(0), topk_ids.stride(1), y.stride(0), out.stride(0), out.stride(1),
         TOP_K=K, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
     )
+
+
+def weight_desc(w, block_shape):
+    """A tensor-memory-access descriptor of the [E, ., .] weight `w` with `block_shape`, or None
+    when its layout does not allow one (TMA needs a contiguous last dimension and 16-byte
+    aligned base and row strides)."""
+    es = w.element_size()
+    if w.stride(-1) != 1 or w.data_ptr() % 16 or any(st * es % 16 for st in w.stride()[:-1]):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(w, list(w.shape), list(w.stride()), list(block_shape))

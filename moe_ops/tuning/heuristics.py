@@ -18,6 +18,7 @@ class DispatchConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8   # row blocks that walk the N tiles together (L2 reuse)
+    tma: bool = False  # weight tiles through tensor descriptors (where the layout allows)
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -109,6 +110,8 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
             "bm 64": DispatchConfig(64, 128, 64, 128, 64, 8, 3),
             "bm 64 w4 s4": DispatchConfig(64, 64, 64, 128, 64, 4, 4),
         }
+    cands["tma"] = r(base, tma=True)
+    cands["tma s4"] = r(base, tma=True, num_stages=max(4, base.num_stages))
     out = {"heuristic": base}
     seen = {base}
     for name, cfg in cands.items():
@@ -138,6 +141,7 @@ class BackwardConfig:
     da_warps: int = 4
     ew_r: int = 4      # elementwise pass: rows per program
     ew_i: int = 512    # elementwise pass: columns of I per step
+    tma: bool = False  # dA and dx weight tiles through tensor descriptors
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype) -> BackwardConfig:

@@ -19,9 +19,11 @@ def route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups, t
     if T == 0:
         return weights, ids
     block_e = next_pow2(E)
-    # Decode sizes get a tile of just their rows and one warp: the top-k loop is a chain of
-    # row reductions, and within one warp they need no shared-memory round trips.
-    block_t = max(1, min(64, 4096 // block_e, next_pow2(T)))
+    # Up to 128 tokens: one row per program and one warp (the T=1 kernel, on T programs). The
+    # top-k loop is a chain of row reductions whose length does not shrink with more rows per
+    # program, so rows are better spread over SMs (UNMEASURED: predicted Qwen3 T=8 16.4 -> ~7 us
+    # in a graph, benchmarks/NOTES.md entry 13). Larger T: tiles of up to 64 rows.
+    block_t = 1 if T <= 128 else max(1, min(64, 4096 // block_e, next_pow2(T)))
     grid = (cdiv(T, block_t),)
     kernel_for(route_kernel, dev)[grid](
         router_logits, bias if bias is not None else router_logits, weights, ids,

@@ -548,3 +548,28 @@ def test_tma_weight_tiles(interpreter, monkeypatch, H, I):
     ref = dispatch_backward_reference(go.double(), *_double(args))
     for name, a, r in zip(NAMES, got, ref):
         assert rel_err(a, r) <= 1e-5, (seed, name, rel_err(a, r))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("routing", ["uniform", "negative"])
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_direct_rows_one_token(interpreter, monkeypatch, routing, K):
+    """DispatchConfig.direct at T == 1 (slot k is row block k, no alignment launch): output and
+    saved z match float64 with NaN-poisoned scratch, ids < 0 included; at T > 1 it is ignored."""
+    import dataclasses
+
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.tuning.heuristics import dispatch_config
+
+    seed = fresh_seed()
+    for T in (1, 3):
+        args, g = _inputs(T, 24, 40, 5, K, routing=routing, seed=seed)
+        cfg = dataclasses.replace(dispatch_config(T, 5, K, 24, 40, "cpu", torch.float32),
+                                  direct=True)
+        _poison_empty(monkeypatch)
+        out, z = dispatch_triton(*args, config=cfg, save_z=True)
+        assert rel_err(out, _dense_float64(*_double(args))) <= 1e-5, (seed, T)
+        valid = _valid_slots(args[4])
+        z_ref = dispatch_z_reference(*_double(args[:2]), args[4])
+        assert rel_err(z[valid], z_ref[valid]) <= 1e-5, (seed, T)
+        monkeypatch.undo()

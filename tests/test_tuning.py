@@ -40,6 +40,7 @@ class TestTableFormat(TestCase):
      "block_m": 16,
      "block_n1": 64,
      "block_n2": 64,
+     "direct": false,
      "group_m": 8,
      "num_stages": 4,
      "num_warps": 4,

@@ -72,6 +72,25 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
 
 
 @triton.jit
+def row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr, stride_ik, n_experts,
+              BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """(expert, rows, slots, row_valid) of row block pid_m. Aligned rows: the alignment's block
+    expert and slot table (padding slots hold n_slots). DIRECT (T == 1, no alignment launch):
+    block k is slot k alone, its expert topk_ids[0, k]; a dropped id gives no valid row (and
+    expert 0's weights as harmless in-bounds operands)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if DIRECT:
+        e = tl.load(ids_ptr + pid_m * stride_ik).to(tl.int64)
+        ok = (e >= 0) & (e < n_experts)
+        slots = tl.where((tl.arange(0, BLOCK_M) == 0) & ok, pid_m, n_slots)
+        e = tl.where(ok, e, 0)
+    else:
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        slots = tl.load(sorted_ptr + rows)
+    return e, rows, slots, slots < n_slots
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     n_slots, H, I, top_k,
@@ -79,17 +98,17 @@ def gate_up_kernel(
     n_row_blocks, N, z_ptr, stride_z,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr = False, w_desc=None,
-    USE_TMA: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False, ids_ptr=None, stride_ik=0, n_experts=0,
+    DIRECT: tl.constexpr = False,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
-    num_rows = tl.load(num_rows_ptr)
-    if pid_m * BLOCK_M >= num_rows:
-        return
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_ptr + rows)
-    row_valid = slots < n_slots
-    tok = (slots // top_k).to(tl.int64)
+    if not DIRECT:
+        num_rows = tl.load(num_rows_ptr)
+        if pid_m * BLOCK_M >= num_rows:
+            return
+    e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
+                                          stride_ik, n_experts, BLOCK_M, DIRECT)
+    tok = tl.where(row_valid, slots // top_k, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     acc_g, acc_u = gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
@@ -114,19 +133,19 @@ def down_kernel(
     n_row_blocks, N,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr = True, w_desc=None,
-    TMA_LAYOUT: tl.constexpr = 0,
+    TMA_LAYOUT: tl.constexpr = 0, ids_ptr=None, stride_ik=0, n_experts=0,
+    DIRECT: tl.constexpr = False,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
     contiguous, block [1, BLOCK_K, BLOCK_N]; w2 for dA, w13 for dx)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
-    num_rows = tl.load(num_rows_ptr)
-    if pid_m * BLOCK_M >= num_rows:
-        return
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_ptr + rows)
-    row_valid = slots < n_slots
+    if not DIRECT:
+        num_rows = tl.load(num_rows_ptr)
+        if pid_m * BLOCK_M >= num_rows:
+            return
+    e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
+                                          stride_ik, n_experts, BLOCK_M, DIRECT)
     rows64 = rows.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H

@@ -2,6 +2,8 @@
 fused), deterministic combine. Every buffer is sized from shapes; nothing syncs with the host."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
@@ -29,7 +31,10 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     if T == 0:
         return (out, torch.empty(0, 2 * I, dtype=hidden.dtype, device=dev)) if save_z else out
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, hidden.dtype)
-    al = align_triton(topk_ids, E, cfg.block_m)
+    # One token: its K slots have K distinct experts, so slot k can be row block k as it stands
+    # (no alignment launch; the z of a training forward is per slot either way).
+    al = DirectRows(topk_ids, cfg.block_m) if cfg.direct and T == 1 else \
+        align_triton(topk_ids, E, cfg.block_m)
     n_slots = T * K
     act = torch.empty(al.max_rows, I, dtype=hidden.dtype, device=dev)
     z = torch.empty(T * K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else None
@@ -52,6 +57,7 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None):
     n_blocks = al.max_rows // cfg.block_m
     zz = act if z is None else z
     w_desc = weight_desc(w13, [1, cfg.block_n1, cfg.block_k1]) if cfg.tma else None
+    direct = _direct_args(al, w13.shape[0])
     kernel_for(gate_up_kernel, hidden.device)[(n_blocks * cdiv(I, cfg.block_n1),)](
         hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, top_k,
@@ -59,7 +65,7 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None):
         act.stride(0), n_blocks, I, zz, zz.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
         DOT_PRECISION=_dot_precision(hidden.dtype), SAVE_Z=z is not None,
-        w_desc=w_desc, USE_TMA=w_desc is not None,
+        w_desc=w_desc, USE_TMA=w_desc is not None, **direct,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -82,6 +88,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         w_desc, layout = weight_desc(w, [1, block_k, block_n]), 2
     if w_desc is None:
         layout = 0
+    direct = _direct_args(al, w.shape[0])
     kernel_for(down_kernel, a.device)[(n_blocks * cdiv(N, block_n),)](
         a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, N, K_red, top_k,
@@ -89,7 +96,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         tw.stride(0), tw.stride(1), y.stride(0), n_blocks, N,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
-        w_desc=w_desc, TMA_LAYOUT=layout, num_warps=num_warps, num_stages=num_stages,
+        w_desc=w_desc, TMA_LAYOUT=layout, **direct, num_warps=num_warps, num_stages=num_stages,
     )
 
 
@@ -105,6 +112,31 @@ def combine_triton(y, topk_ids, out, num_experts):
         topk_ids.stride(0), topk_ids.stride(1), y.stride(0), out.stride(0), out.stride(1),
         TOP_K=K, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
     )
+
+
+@dataclass
+class DirectRows:
+    """The rows of a T == 1 call without an alignment: row block k is slot k alone (expert
+    topk_ids[0, k]; K distinct experts, so no weights are read twice). The kernels take it in
+    place of an Alignment (DIRECT=True); its table fields are unused placeholders."""
+    ids: torch.Tensor   # topk_ids [1, K]
+    block_m: int
+
+    @property
+    def max_rows(self) -> int:
+        return self.ids.shape[1] * self.block_m
+
+    @property
+    def sorted_slots(self):
+        return self.ids
+
+    block_expert = num_rows = sorted_slots
+
+
+def _direct_args(al, n_experts) -> dict:
+    if not isinstance(al, DirectRows):
+        return {}
+    return dict(ids_ptr=al.ids, stride_ik=al.ids.stride(1), n_experts=n_experts, DIRECT=True)
 
 
 def weight_desc(w, block_shape):

@@ -19,6 +19,7 @@ class DispatchConfig:
     num_stages: int
     group_m: int = 8   # row blocks that walk the N tiles together (L2 reuse)
     tma: bool = False  # weight tiles through tensor descriptors (where the layout allows)
+    direct: bool = False  # T == 1: slot k is row block k, no alignment launch
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -111,6 +112,8 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
             "bm 64 w4 s4": DispatchConfig(64, 64, 64, 128, 64, 4, 4),
         }
     cands["tma"] = r(base, tma=True)
+    if base.block_m == 16:
+        cands["direct"] = r(base, direct=True)
     cands["tma s4"] = r(base, tma=True, num_stages=max(4, base.num_stages))
     out = {"heuristic": base}
     seen = {base}

@@ -178,15 +178,26 @@ def down_kernel(
 
 
 @triton.jit
+def _combine_slot(acc, y_ptr, ids_ptr, toks, t_mask, offs_h, h_mask, k, E, stride_it, stride_ik,
+                  stride_ym, TOP_K: tl.constexpr):
+    ids = tl.load(ids_ptr + toks * stride_it + k * stride_ik, mask=t_mask, other=-1)
+    valid = t_mask & (ids >= 0) & (ids < E)
+    y = tl.load(y_ptr + (toks * TOP_K + k)[:, None] * stride_ym + offs_h[None, :],
+                mask=valid[:, None] & h_mask[None, :], other=0.0)
+    return acc + y.to(tl.float32)
+
+
+@triton.jit
 def combine_kernel(
     y_ptr, ids_ptr, out_ptr, T, H, E,
     stride_it, stride_ik, stride_ym, stride_ot, stride_oh,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """out[t] = sum over k = 0..TOP_K-1, in that order, of y[t*TOP_K + k] for valid ids. The k
-    loop is unrolled (TOP_K is a compile-time constant) so that the TOP_K independent id and row
-    loads are in flight together: a runtime loop issued them one dependent pair at a time, 2*K
-    memory latencies per program (14 us at T=8 with K=8; benchmarks/NOTES.md, entry 12)."""
+    """out[t] = sum over k = 0..TOP_K-1, in that order, of y[t*TOP_K + k] for valid ids. Up to
+    K = 32 the k loop is unrolled (TOP_K is a compile-time constant) so that the K independent
+    id and row loads are in flight together: a runtime loop issued them one dependent pair at a
+    time, 2*K memory latencies per program (14 us at T=8 with K=8; benchmarks/NOTES.md, entry
+    12). Larger K keeps a runtime loop (an unrolled body per k would make a slow compile)."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     toks = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -194,11 +205,13 @@ def combine_kernel(
     t_mask = toks < T
     h_mask = offs_h < H
     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
-    for k in tl.static_range(TOP_K):
-        ids = tl.load(ids_ptr + toks * stride_it + k * stride_ik, mask=t_mask, other=-1)
-        valid = t_mask & (ids >= 0) & (ids < E)
-        y = tl.load(y_ptr + (toks * TOP_K + k)[:, None] * stride_ym + offs_h[None, :],
-                    mask=valid[:, None] & h_mask[None, :], other=0.0)
-        acc += y.to(tl.float32)
+    if TOP_K <= 32:
+        for k in tl.static_range(TOP_K):
+            acc = _combine_slot(acc, y_ptr, ids_ptr, toks, t_mask, offs_h, h_mask, k, E,
+                                stride_it, stride_ik, stride_ym, TOP_K)
+    else:
+        for k in range(TOP_K):
+            acc = _combine_slot(acc, y_ptr, ids_ptr, toks, t_mask, offs_h, h_mask, k, E,
+                                stride_it, stride_ik, stride_ym, TOP_K)
     tl.store(out_ptr + toks[:, None] * stride_ot + offs_h[None, :] * stride_oh,
              acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & h_mask[None, :])

@@ -48,6 +48,7 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[8192])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--quick", action="store_true", help="default variant only, z saved + recomputed")
+    p.add_argument("--variants", nargs="+", help="names from variants() to time (default: all)")
     args = p.parse_args()
     dev = torch.device("cuda")
     dt = torch.bfloat16
@@ -73,6 +74,8 @@ def main():
             _, z = dispatch_triton(x, w13, w2, tw, ids, config=cfg, save_z=True)
             ref = dispatch_backward_triton(go, x, w13, w2, tw, ids, z=z, config=cfg, bwd_config=base)
             vs = {"default": base} if args.quick else variants(base)
+            if args.variants:
+                vs = {k: v for k, v in vs.items() if k in args.variants or k == "default"}
             for vname, bc in vs.items():
                 for use_z in ((True, False) if vname == "default" else (True,)):
                     zz = z if use_z else None

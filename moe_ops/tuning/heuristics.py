@@ -59,17 +59,27 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
         # Weight-streaming: 4-warp programs, 128-deep steps. A 128-wide down tile on wide hidden
         # sizes when it still leaves a program per SM (Mixtral T=8: 604 -> 570 us; DeepSeek-V3
         # T=512: -0.5%; Qwen3 zipf T=512, H = 2048: +7%).
+        # At BLOCK_M 64 the 128-wide down tile pays on any H (entry 16: Qwen3 zipf T=512
+        # 445 -> 397 us, Mixtral T=128 712 -> 690 us).
         row_blocks = max(min(E, T * K), T * K / block_m)
-        wide_down = block_m <= 32 and H >= 4096 and row_blocks * H / 128 >= 132
+        wide_down = (block_m == 64 or H >= 4096) and row_blocks * H / 128 >= 132
         cfg = DispatchConfig(block_m, 64, 128, 128 if wide_down else 64, 128, 4, 4)
     else:
         # H200 sweeps (NOTES.md, entries 3 and 11): 128x(2*128) gate+up tiles, 8 warps, 3
         # stages. A 256-wide down tile pays on Mixtral's long down reduction (I = 14336: T=512
         # 1152 -> 1128 us, T=8192 10.9 -> 10.5 ms) and costs on DeepSeek-V3 (I = 2048, +4%).
-        cfg = DispatchConfig(block_m, 128, 64, 256 if I >= 8192 else 128, 64, 8, 3)
+        # With TMA weight tiles (below) a 4th stage pays up to T=2048 and costs at T=8192
+        # (entry 16: Mixtral T=2048 2775 -> 2707 us, T=8192 9752 -> 11983 us).
+        cfg = DispatchConfig(block_m, 128, 64, 256 if I >= 8192 else 128, 64, 8,
+                             4 if T <= 4096 and not wide else 3)
     if wide:
         # float32 tiles take twice the shared memory per stage.
         cfg = replace(cfg, block_k1=32, block_k2=32, num_stages=3)
+    else:
+        # Weight tiles through TMA descriptors (16-bit weights; float32 never measured). H200,
+        # entry 16: Mixtral T=512/2048/8192 -4/-4/-6%, DeepSeek-V3 T=8192 -6%, 0 to -1.5% at
+        # BLOCK_M <= 64. One token: no alignment launch (Qwen3 T=1 40.6 -> 37.6 us).
+        cfg = replace(cfg, tma=True, direct=T == 1)
     return cfg
 
 
@@ -103,7 +113,6 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
         }
     else:
         cands = {
-            "s4": r(base, num_stages=4),
             "g16": r(base, group_m=16),
             "g4": r(base, group_m=4),
             "down n256" if base.block_n2 != 256 else "down n128": r(
@@ -111,10 +120,12 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
             "bm 64": DispatchConfig(64, 128, 64, 128, 64, 8, 3),
             "bm 64 w4 s4": DispatchConfig(64, 64, 64, 128, 64, 4, 4),
         }
-    cands["tma"] = r(base, tma=True)
+    cands["no tma" if base.tma else "tma"] = r(base, tma=not base.tma)
     if base.block_m == 16:
-        cands["direct"] = r(base, direct=True)
-    cands["tma s4"] = r(base, tma=True, num_stages=max(4, base.num_stages))
+        cands["no direct" if base.direct else "direct"] = r(base, direct=not base.direct)
+    if base.block_m == 128:
+        cands["s3" if base.num_stages != 3 else "s4"] = r(
+            base, num_stages=3 if base.num_stages != 3 else 4)
     out = {"heuristic": base}
     seen = {base}
     for name, cfg in cands.items():

@@ -573,3 +573,43 @@ def test_direct_rows_one_token(interpreter, monkeypatch, routing, K):
         z_ref = dispatch_z_reference(*_double(args[:2]), args[4])
         assert rel_err(z[valid], z_ref[valid]) <= 1e-5, (seed, T)
         monkeypatch.undo()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("routing", ["uniform", "negative"])
+@pytest.mark.parametrize("K,H,I,block_n", [(1, 24, 40, 4), (2, 17, 11, 16), (4, 33, 70, 8),
+                                           (40, 9, 5, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_one_token(interpreter, monkeypatch, routing, K, H, I, block_n, dtype):
+    """DispatchConfig.gemv at T == 1 (matrix-vector kernels, combine folded into the down
+    kernel): output and saved z match float64 with NaN-poisoned scratch, ids < 0 included, odd
+    H and I, several column tiles per program grid, and K = 40 (the runtime slot loop); the
+    backward consumes the z it saves. At T > 1 the setting is ignored."""
+    import dataclasses
+
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    E = max(5, K)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for T in (1, 3):
+        args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed, dtype=dtype)
+        cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", dtype), direct=True,
+                                  gemv=block_n)
+        _poison_empty(monkeypatch)
+        out, z = dispatch_triton(*args, config=cfg, save_z=True)
+        assert not out.isnan().any(), (seed, T)
+        assert rel_err(out, _dense_float64(*_double(args))) <= tol, (seed, T)
+        valid = _valid_slots(args[4])
+        z_ref = dispatch_z_reference(*_double(args[:2]), args[4])
+        assert rel_err(z[valid], z_ref[valid]) <= tol, (seed, T)
+        if dtype == torch.float32 and K <= 4:
+            go = torch.randn(T, H, generator=g)
+            got = dispatch_backward_triton(go, *args, z=z, config=cfg,
+                                           bwd_config=backward_config(cfg, "cpu", dtype))
+            ref = dispatch_backward_reference(go.double(), *_double(args))
+            for name, a, r in zip(NAMES, got, ref):
+                assert rel_err(a, r) <= 1e-5, (seed, T, name, rel_err(a, r))
+        monkeypatch.undo()

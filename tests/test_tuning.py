@@ -41,6 +41,7 @@ class TestTableFormat(TestCase):
      "block_n1": 64,
      "block_n2": 64,
      "direct": false,
+     "gemv": 0,
      "group_m": 8,
      "num_stages": 4,
      "num_warps": 4,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
+from moe_ops.kernels.decode import gemv_down_combine_kernel, gemv_gate_up_kernel
 from moe_ops.kernels.expert_gemm import combine_kernel, down_kernel, gate_up_kernel
 from moe_ops.launch.alignment import align_triton
 from moe_ops.tuning.heuristics import dispatch_config
@@ -31,6 +32,10 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     if T == 0:
         return (out, torch.empty(0, 2 * I, dtype=hidden.dtype, device=dev)) if save_z else out
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, hidden.dtype)
+    if cfg.gemv and T == 1:
+        z = torch.empty(K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else None
+        gemv_triton(hidden, w13, w2, topk_weights, topk_ids, out, cfg.gemv, z=z)
+        return (out, z) if save_z else out
     # One token: its K slots have K distinct experts, so slot k can be row block k as it stands
     # (no alignment launch; the z of a training forward is per slot either way).
     al = DirectRows(topk_ids, cfg.block_m) if cfg.direct and T == 1 else \
@@ -111,6 +116,32 @@ def combine_triton(y, topk_ids, out, num_experts):
         y, topk_ids, out, T, H, num_experts,
         topk_ids.stride(0), topk_ids.stride(1), y.stride(0), out.stride(0), out.stride(1),
         TOP_K=K, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+    )
+
+
+def gemv_triton(hidden, w13, w2, topk_weights, topk_ids, out, block_n, z=None):
+    """One token (T == 1): out = sum_k w_k * W2_e SwiGLU(W13_e x) by two matrix-vector kernels
+    (no alignment launch; the combine folded into the down kernel). `block_n` output columns per
+    program; each program reduces over the whole input row in steps of about 4096 (gate+up) or
+    8192 (down) weight elements. With `z` ([K, 2I]) also the pre-activation per slot."""
+    H = hidden.shape[1]
+    E, I = w2.shape[0], w2.shape[2]
+    K = topk_ids.shape[1]
+    act = torch.empty(K, I, dtype=hidden.dtype, device=hidden.device)
+    zz = act if z is None else z
+    bk1 = min(next_pow2(H), max(32, 4096 // block_n))
+    kernel_for(gemv_gate_up_kernel, hidden.device)[(K, cdiv(I, block_n))](
+        hidden, w13, topk_ids, act, zz, H, I, E,
+        hidden.stride(1), topk_ids.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        act.stride(0), zz.stride(0),
+        BLOCK_N=block_n, BLOCK_K=bk1, SAVE_Z=z is not None, num_warps=4,
+    )
+    bk2 = min(next_pow2(I), max(32, 8192 // block_n))
+    kernel_for(gemv_down_combine_kernel, hidden.device)[(cdiv(H, block_n),)](
+        act, w2, topk_weights, topk_ids, out, H, I, E,
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), topk_weights.stride(1),
+        topk_ids.stride(1), out.stride(1),
+        TOP_K=K, BLOCK_N=block_n, BLOCK_K=bk2, num_warps=4,
     )
 
 

@@ -20,6 +20,8 @@ class DispatchConfig:
     group_m: int = 8   # row blocks that walk the N tiles together (L2 reuse)
     tma: bool = False  # weight tiles through tensor descriptors (where the layout allows)
     direct: bool = False  # T == 1: slot k is row block k, no alignment launch
+    gemv: int = 0      # T == 1: output columns per program of the matrix-vector kernels
+                       # (moe_ops.kernels.decode: no alignment, combine fused); 0 = tiled kernels
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -78,9 +80,10 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
     else:
         # Weight tiles through TMA descriptors (16-bit weights; float32 never measured). H200,
         # entry 16: Mixtral T=512/2048/8192 -4/-4/-6%, DeepSeek-V3 T=8192 -6%, 0 to -1.5% at
-        # BLOCK_M <= 64. One token: no alignment launch (Qwen3 T=1 40.6 -> 37.6 us).
-        cfg = replace(cfg, tma=True, direct=T == 1)
-    return cfg
+        # BLOCK_M <= 64.
+        cfg = replace(cfg, tma=True)
+    # One token: no alignment launch (entry 16: Qwen3 T=1 40.6 -> 37.6 us).
+    return replace(cfg, direct=T == 1)
 
 
 def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, DispatchConfig]:
@@ -123,6 +126,9 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
     cands["no tma" if base.tma else "tma"] = r(base, tma=not base.tma)
     if base.block_m == 16:
         cands["no direct" if base.direct else "direct"] = r(base, direct=not base.direct)
+    if base.direct:
+        for n in (4, 8, 16, 32):
+            cands[f"gemv {n}"] = r(base, gemv=n)
     if base.block_m == 128:
         cands["s3" if base.num_stages != 3 else "s4"] = r(
             base, num_stages=3 if base.num_stages != 3 else 4)

@@ -26,6 +26,8 @@ DEFAULT_CELLS = ["mixtral_8x7b:8", "mixtral_8x7b:128", "mixtral_8x7b:512", "mixt
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cells", nargs="+", default=DEFAULT_CELLS, help="shape:T")
+    p.add_argument("--only", nargs="+", help="time only the variants whose name contains one of "
+                   "these words (and the heuristic)")
     args = p.parse_args()
     dev = torch.device("cuda")
     dt = torch.bfloat16
@@ -50,6 +52,8 @@ def main():
         base = heuristic_config(T, s.E, s.K, s.H, s.I, "cuda", dt)
         ref = dispatch_triton(hidden, wt.w13, wt.w2, tw, ids, config=base)
         for vname, cfg in neighbours(base, dt).items():
+            if args.only and vname != "heuristic" and not any(w in vname for w in args.only):
+                continue
             fn = lambda: dispatch_triton(hidden, wt.w13, wt.w2, tw, ids, config=cfg)  # noqa: E731
             try:
                 graph, out = bench.capture_graph(fn)

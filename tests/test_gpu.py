@@ -49,12 +49,13 @@ def test_parity_benchmark_shapes(name, dtype, T):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("T", [1, 300])
+@pytest.mark.parametrize("T", [1, 2048])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_parity_path_variants(name, dtype, T):
-    """The heuristic's path switches both ways (TMA weight tiles, the T == 1 direct rows and
-    matrix-vector kernels, pipeline depth), ids < 0 included, against float64."""
+    """The heuristic's path switches both ways (TMA weight tiles, the T == 1 direct rows and the
+    combine folded into the down GEMM, the persistent grid, pipeline depth), ids < 0 included,
+    against float64."""
     from moe_ops.tuning.heuristics import heuristic_config, neighbours
 
     args = _inputs(name, T, dtype, routing="negative", seed=T + 3)
@@ -62,7 +63,7 @@ def test_parity_path_variants(name, dtype, T):
     ref = _oracle(*args)
     base = heuristic_config(T, E, K, H, I, "cuda", dtype)
     picked = {k: v for k, v in neighbours(base, dtype).items()
-              if k == "heuristic" or any(w in k for w in ("tma", "direct", "gemv", "s3", "s4"))}
+              if k == "heuristic" or any(w in k for w in ("tma", "direct", "fused", "persistent", "s3", "s4"))}
     assert len(picked) >= 2
     for vname, cfg in picked.items():
         _poison_allocator()

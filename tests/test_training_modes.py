@@ -577,13 +577,16 @@ def test_direct_rows_one_token(interpreter, monkeypatch, routing, K):
 
 @needs_interpreter
 @pytest.mark.parametrize("routing", ["uniform", "negative"])
-@pytest.mark.parametrize("K,H,I,block_n", [(1, 24, 40, 4), (2, 17, 11, 16), (4, 33, 70, 8),
-                                           (40, 9, 5, 2)])
+@pytest.mark.parametrize("K,H,I,block_n,block_k", [(1, 24, 40, 16, 32), (2, 17, 11, 16, 16),
+                                                   (4, 33, 70, 32, 32), (16, 40, 72, 16, 64),
+                                                   (40, 9, 5, 16, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gemv_one_token(interpreter, monkeypatch, routing, K, H, I, block_n, dtype):
-    """DispatchConfig.gemv at T == 1 (matrix-vector kernels, combine folded into the down
-    kernel): output and saved z match float64 with NaN-poisoned scratch, ids < 0 included, odd
-    H and I, several column tiles per program grid, and K = 40 (the runtime slot loop); the
+def test_fused_combine_one_token(interpreter, monkeypatch, routing, K, H, I, block_n, block_k,
+                                 dtype):
+    """DispatchConfig.fuse_combine at T == 1 (the down GEMM and the combine in one launch, one
+    pipelined loop over (slot, I step)): output and saved z match float64 with NaN-poisoned
+    scratch, ids < 0 included, odd H and I, several H tiles and I steps, K = block_m = 16 (every
+    accumulator row in use) and K = 40 > block_m (falls back to the separate combine); the
     backward consumes the z it saves. At T > 1 the setting is ignored."""
     import dataclasses
 
@@ -591,15 +594,23 @@ def test_gemv_one_token(interpreter, monkeypatch, routing, K, H, I, block_n, dty
     from moe_ops.launch.dispatch_backward import dispatch_backward_triton
     from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
+    import moe_ops.launch.dispatch as launch
+
     seed = fresh_seed()
     E = max(5, K)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
-    for T in (1, 3):
+    for T, tma in ((1, False), (1, True), (3, False)):
         args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed, dtype=dtype)
         cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", dtype), direct=True,
-                                  gemv=block_n)
+                                  fuse_combine=True, block_n2=block_n, block_k2=block_k, tma=tma)
+        assert cfg.block_m == 16
         _poison_empty(monkeypatch)
+        combines = []
+        real_combine = launch.combine_triton
+        monkeypatch.setattr(launch, "combine_triton",
+                            lambda *a, **kw: combines.append(1) or real_combine(*a, **kw))
         out, z = dispatch_triton(*args, config=cfg, save_z=True)
+        assert len(combines) == (0 if T == 1 and K <= 16 else 1), (T, K)   # the path taken
         assert not out.isnan().any(), (seed, T)
         assert rel_err(out, _dense_float64(*_double(args))) <= tol, (seed, T)
         valid = _valid_slots(args[4])
@@ -613,3 +624,36 @@ def test_gemv_one_token(interpreter, monkeypatch, routing, K, H, I, block_n, dty
             for name, a, r in zip(NAMES, got, ref):
                 assert rel_err(a, r) <= 1e-5, (seed, T, name, rel_err(a, r))
         monkeypatch.undo()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("persistent,tma", [(1, False), (2, True)])
+@pytest.mark.parametrize("routing", ["mixed", "one_expert"])
+def test_persistent_grid(interpreter, monkeypatch, persistent, tma, routing):
+    """DispatchConfig.persistent (a fixed grid whose programs loop over the tiles of the active
+    row blocks; the interpreter runs 3 programs, so each loops over several tiles of several
+    experts): output, saved z and the recompute backward (its gate+up GEMM is persistent too)
+    match float64 with NaN-poisoned scratch."""
+    import dataclasses
+
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    T, H, I, E, K = 37, 48, 40, 4, 2
+    args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed)
+    cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float32),
+                              persistent=persistent, tma=tma)
+    _poison_empty(monkeypatch)
+    out, z = dispatch_triton(*args, config=cfg, save_z=True)
+    assert rel_err(out, _dense_float64(*_double(args))) <= 1e-5, seed
+    valid = _valid_slots(args[4])
+    z_ref = dispatch_z_reference(*_double(args[:2]), args[4])
+    assert rel_err(z[valid], z_ref[valid]) <= 1e-5, seed
+    go = torch.randn(T, H, generator=g)
+    got = dispatch_backward_triton(go, *args, z=None, config=cfg,
+                                   bwd_config=backward_config(cfg, "cpu", torch.float32))
+    ref = dispatch_backward_reference(go.double(), *_double(args))
+    for name, a, r in zip(NAMES, got, ref):
+        assert rel_err(a, r) <= 1e-5, (seed, name, rel_err(a, r))

@@ -41,10 +41,11 @@ class TestTableFormat(TestCase):
      "block_n1": 64,
      "block_n2": 64,
      "direct": false,
-     "gemv": 0,
+     "fuse_combine": false,
      "group_m": 8,
      "num_stages": 4,
      "num_warps": 4,
+     "persistent": 0,
      "tma": false
     }
    },

@@ -5,6 +5,8 @@ gate_up_kernel: act[row] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T), ga
   (training) it also stores the pre-activation z[slot] = [g | u] for the backward.
 down_kernel: y[slot] = topk_weight[slot] * (act[row] @ w2[e].T), written per slot (also the
   backward's dx rows, dz[row] @ w13[e], with HAS_WEIGHTS=False).
+down_combine_one_token_kernel: T == 1 with direct rows: the down GEMM and the combine in one launch
+  (slot k's partial product in accumulator row k, the weighted sum over rows in the epilogue).
 combine_kernel: out[t] = sum over k in order 0..K-1 of y[t*K + k] for valid ids: deterministic,
   no atomics.
 Row blocks at or past the device-side num_rows exit at once (the grid is sized from shapes)."""
@@ -99,13 +101,43 @@ def gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr = False, w_desc=None,
     USE_TMA: tl.constexpr = False, ids_ptr=None, stride_ik=0, n_experts=0,
-    DIRECT: tl.constexpr = False,
+    DIRECT: tl.constexpr = False, PERSISTENT: tl.constexpr = 0,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
-    if not DIRECT:
-        num_rows = tl.load(num_rows_ptr)
-        if pid_m * BLOCK_M >= num_rows:
-            return
+    """PERSISTENT 0: one program per (row block, N tile) of the grid, row blocks past num_rows
+    exit. 1: a fixed grid whose programs loop over the tiles of the active row blocks (one
+    flattened loop nest, so the next tile's loads overlap this tile's epilogue); 2: the same
+    loop warp-specialized."""
+    if PERSISTENT == 0:
+        pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
+        if not DIRECT:
+            num_rows = tl.load(num_rows_ptr)
+            if pid_m * BLOCK_M >= num_rows:
+                return
+        _gate_up_block(pid_m, pid_n, x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr,
+                       n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
+                       stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
+                       DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
+                       DIRECT)
+    else:
+        m_blocks = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
+        n_tiles = m_blocks * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True,
+                             warp_specialize=PERSISTENT == 2):
+            pid_m, pid_n = grouped_tile(tile, m_blocks, N, BLOCK_N, GROUP_M)
+            _gate_up_block(pid_m, pid_n, x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr,
+                           n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
+                           stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
+                           DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik,
+                           n_experts, DIRECT)
+
+
+@triton.jit
+def _gate_up_block(pid_m, pid_n, x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr,
+                   n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+                   stride_am, z_ptr, stride_z, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr,
+                   w_desc, USE_TMA: tl.constexpr, ids_ptr, stride_ik, n_experts,
+                   DIRECT: tl.constexpr):
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
                                           stride_ik, n_experts, BLOCK_M, DIRECT)
     tok = tl.where(row_valid, slots // top_k, 0).to(tl.int64)
@@ -134,16 +166,43 @@ def down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr = True, w_desc=None,
     TMA_LAYOUT: tl.constexpr = 0, ids_ptr=None, stride_ik=0, n_experts=0,
-    DIRECT: tl.constexpr = False,
+    DIRECT: tl.constexpr = False, PERSISTENT: tl.constexpr = 0,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
-    contiguous, block [1, BLOCK_K, BLOCK_N]; w2 for dA, w13 for dx)."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
-    if not DIRECT:
-        num_rows = tl.load(num_rows_ptr)
-        if pid_m * BLOCK_M >= num_rows:
-            return
+    contiguous, block [1, BLOCK_K, BLOCK_N]; w2 for dA, w13 for dx). PERSISTENT: as in
+    gate_up_kernel."""
+    if PERSISTENT == 0:
+        pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
+        if not DIRECT:
+            num_rows = tl.load(num_rows_ptr)
+            if pid_m * BLOCK_M >= num_rows:
+                return
+        _down_block(pid_m, pid_n, act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr,
+                    block_expert_ptr, n_slots, H, I, top_k, stride_am, stride_we, stride_wn,
+                    stride_wk, stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
+                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
+                    n_experts, DIRECT)
+    else:
+        m_blocks = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
+        n_tiles = m_blocks * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True,
+                             warp_specialize=PERSISTENT == 2):
+            pid_m, pid_n = grouped_tile(tile, m_blocks, N, BLOCK_N, GROUP_M)
+            _down_block(pid_m, pid_n, act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr,
+                        block_expert_ptr, n_slots, H, I, top_k, stride_am, stride_we, stride_wn,
+                        stride_wk, stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N,
+                        BLOCK_K, DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr,
+                        stride_ik, n_experts, DIRECT)
+
+
+@triton.jit
+def _down_block(pid_m, pid_n, act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
+                n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk, stride_tw_t,
+                stride_tw_k, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                w_desc, TMA_LAYOUT: tl.constexpr, ids_ptr, stride_ik, n_experts,
+                DIRECT: tl.constexpr):
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
                                           stride_ik, n_experts, BLOCK_M, DIRECT)
     rows64 = rows.to(tl.int64)
@@ -215,3 +274,49 @@ def combine_kernel(
                                 stride_it, stride_ik, stride_ym, TOP_K)
     tl.store(out_ptr + toks[:, None] * stride_ot + offs_h[None, :] * stride_oh,
              acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & h_mask[None, :])
+
+
+@triton.jit
+def down_combine_one_token_kernel(
+    act_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, H, I, E,
+    stride_am, stride_we, stride_wn, stride_wk, stride_tw_k, stride_ik, stride_oh,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, w_desc=None, USE_TMA: tl.constexpr = False,
+):
+    """out[0, n-tile] = sum over k in order of topk_weight[k] * act[k*BLOCK_M] @ w2[e_k, n-tile].T
+    (T == 1, direct rows: slot k's activation row is row block k's first row). One loop over
+    (slot, I step) pairs, so it is software-pipelined across slots: step (k, k0) multiplies an A
+    tile whose only nonzero row is k (the slot's activation) by expert e_k's weight tile, so
+    accumulator row k collects slot k's product alone. The slot's expert comes from a register
+    vector of the K ids (no dependent load inside the loop). TOP_K <= BLOCK_M. Dropped ids
+    (< 0 or >= E) contribute nothing (their A rows are zero; on the TMA path expert 0's tile is
+    read and multiplied by zeros)."""
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    rows = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    ids = tl.load(ids_ptr + rows * stride_ik, mask=rows < TOP_K, other=-1).to(tl.int32)
+    valid = (ids >= 0) & (ids < E)
+    ids = tl.where(valid, ids, 0)
+    n_k = tl.cdiv(I, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    a_rows = act_ptr + (rows * BLOCK_M).to(tl.int64)[:, None] * stride_am
+    for j in range(0, TOP_K * n_k):
+        k = j // n_k
+        k0 = (j - k * n_k) * BLOCK_K
+        e = tl.sum(tl.where(rows == k, ids, 0))
+        row_on = (rows == k) & valid
+        k_mask = offs_k < I - k0
+        a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=row_on[:, None] & k_mask[None, :],
+                    other=0.0)
+        if USE_TMA:
+            b = tl.trans(tl.reshape(w_desc.load([e, n0, k0]), (BLOCK_N, BLOCK_K)))
+        else:
+            b_ptrs = (w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+                      + (k0 + offs_k)[:, None] * stride_wk)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    tw = tl.load(weights_ptr + rows * stride_tw_k, mask=(rows < TOP_K) & valid, other=0.0)
+    y = tl.sum(acc * tw.to(tl.float32)[:, None], axis=0)
+    tl.store(out_ptr + offs_n * stride_oh, y.to(out_ptr.dtype.element_ty), mask=n_mask)

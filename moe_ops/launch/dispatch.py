@@ -2,13 +2,14 @@
 fused), deterministic combine. Every buffer is sized from shapes; nothing syncs with the host."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
-from moe_ops.kernels.decode import gemv_down_combine_kernel, gemv_gate_up_kernel
-from moe_ops.kernels.expert_gemm import combine_kernel, down_kernel, gate_up_kernel
+from moe_ops.kernels.expert_gemm import (combine_kernel, down_combine_one_token_kernel, down_kernel,
+                                         gate_up_kernel)
 from moe_ops.launch.alignment import align_triton
 from moe_ops.tuning.heuristics import dispatch_config
 
@@ -32,10 +33,6 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     if T == 0:
         return (out, torch.empty(0, 2 * I, dtype=hidden.dtype, device=dev)) if save_z else out
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, hidden.dtype)
-    if cfg.gemv and T == 1:
-        z = torch.empty(K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else None
-        gemv_triton(hidden, w13, w2, topk_weights, topk_ids, out, cfg.gemv, z=z)
-        return (out, z) if save_z else out
     # One token: its K slots have K distinct experts, so slot k can be row block k as it stands
     # (no alignment launch; the z of a training forward is per slot either way).
     al = DirectRows(topk_ids, cfg.block_m) if cfg.direct and T == 1 else \
@@ -44,12 +41,15 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     act = torch.empty(al.max_rows, I, dtype=hidden.dtype, device=dev)
     z = torch.empty(T * K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else None
     gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z)
+    if isinstance(al, DirectRows) and cfg.fuse_combine and K <= cfg.block_m:
+        down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg)
+        return (out, z) if save_z else out
     # Per-slot expert outputs (routing weight applied, rounded once to the input dtype, as vLLM
     # does; float32 for float32 inputs); the combine sums them in float32 in a fixed order.
     y = torch.empty(n_slots, H, dtype=hidden.dtype, device=dev)
     rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, H, I, n_slots, K,
                      cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, cfg.group_m,
-                     weights=topk_weights, tma=cfg.tma)
+                     weights=topk_weights, tma=cfg.tma, persistent=cfg.persistent)
     combine_triton(y, topk_ids, out, E)
     return (out, z) if save_z else out
 
@@ -63,20 +63,22 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None):
     zz = act if z is None else z
     w_desc = weight_desc(w13, [1, cfg.block_n1, cfg.block_k1]) if cfg.tma else None
     direct = _direct_args(al, w13.shape[0])
-    kernel_for(gate_up_kernel, hidden.device)[(n_blocks * cdiv(I, cfg.block_n1),)](
+    persistent = cfg.persistent if not direct else 0
+    grid = _grid(n_blocks * cdiv(I, cfg.block_n1), persistent, hidden.device)
+    kernel_for(gate_up_kernel, hidden.device)[grid](
         hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, top_k,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         act.stride(0), n_blocks, I, zz, zz.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
         DOT_PRECISION=_dot_precision(hidden.dtype), SAVE_Z=z is not None,
-        w_desc=w_desc, USE_TMA=w_desc is not None, **direct,
+        w_desc=w_desc, USE_TMA=w_desc is not None, **direct, PERSISTENT=persistent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
-                     num_warps, num_stages, group_m=8, weights=None, tma=False):
+                     num_warps, num_stages, group_m=8, weights=None, tma=False, persistent=0):
     """y[slot] = (weights[slot] *) a[row] @ W_e^T ([N]) for the aligned rows: `a` is contiguous in
     aligned-row order ([max_rows, K_red]); W_e[n, k] = w[e*w_strides[0] + n*w_strides[1] +
     k*w_strides[2]] (any layout); y is per slot ([T*K, N], rows of ids < 0 unwritten). The
@@ -94,14 +96,17 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     if w_desc is None:
         layout = 0
     direct = _direct_args(al, w.shape[0])
-    kernel_for(down_kernel, a.device)[(n_blocks * cdiv(N, block_n),)](
+    persistent = persistent if not direct else 0
+    grid = _grid(n_blocks * cdiv(N, block_n), persistent, a.device)
+    kernel_for(down_kernel, a.device)[grid](
         a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, N, K_red, top_k,
         a.stride(0), w_strides[0], w_strides[1], w_strides[2],
         tw.stride(0), tw.stride(1), y.stride(0), n_blocks, N,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
-        w_desc=w_desc, TMA_LAYOUT=layout, **direct, num_warps=num_warps, num_stages=num_stages,
+        w_desc=w_desc, TMA_LAYOUT=layout, **direct, PERSISTENT=persistent,
+        num_warps=num_warps, num_stages=num_stages,
     )
 
 
@@ -119,29 +124,19 @@ def combine_triton(y, topk_ids, out, num_experts):
     )
 
 
-def gemv_triton(hidden, w13, w2, topk_weights, topk_ids, out, block_n, z=None):
-    """One token (T == 1): out = sum_k w_k * W2_e SwiGLU(W13_e x) by two matrix-vector kernels
-    (no alignment launch; the combine folded into the down kernel). `block_n` output columns per
-    program; each program reduces over the whole input row in steps of about 4096 (gate+up) or
-    8192 (down) weight elements. With `z` ([K, 2I]) also the pre-activation per slot."""
-    H = hidden.shape[1]
-    E, I = w2.shape[0], w2.shape[2]
+def down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg):
+    """T == 1 with direct rows: out = sum over k of w_k * act[k*block_m] @ W2_{e_k}^T in one
+    launch (the down GEMM with the combine folded in); block_n2 columns of H per program."""
+    E, H, I = w2.shape
     K = topk_ids.shape[1]
-    act = torch.empty(K, I, dtype=hidden.dtype, device=hidden.device)
-    zz = act if z is None else z
-    bk1 = min(next_pow2(H), max(32, 4096 // block_n))
-    kernel_for(gemv_gate_up_kernel, hidden.device)[(K, cdiv(I, block_n))](
-        hidden, w13, topk_ids, act, zz, H, I, E,
-        hidden.stride(1), topk_ids.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        act.stride(0), zz.stride(0),
-        BLOCK_N=block_n, BLOCK_K=bk1, SAVE_Z=z is not None, num_warps=4,
-    )
-    bk2 = min(next_pow2(I), max(32, 8192 // block_n))
-    kernel_for(gemv_down_combine_kernel, hidden.device)[(cdiv(H, block_n),)](
+    w_desc = weight_desc(w2, [1, cfg.block_n2, cfg.block_k2]) if cfg.tma else None
+    kernel_for(down_combine_one_token_kernel, act.device)[(cdiv(H, cfg.block_n2),)](
         act, w2, topk_weights, topk_ids, out, H, I, E,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), topk_weights.stride(1),
         topk_ids.stride(1), out.stride(1),
-        TOP_K=K, BLOCK_N=block_n, BLOCK_K=bk2, num_warps=4,
+        TOP_K=K, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
+        DOT_PRECISION=_dot_precision(act.dtype), w_desc=w_desc, USE_TMA=w_desc is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -162,6 +157,25 @@ class DirectRows:
         return self.ids
 
     block_expert = num_rows = sorted_slots
+
+
+def _grid(n_tiles: int, persistent: int, device: torch.device) -> tuple:
+    """One program per tile, or for a persistent kernel one per SM (at most one per tile; the
+    interpreter gets 3, so that its programs loop)."""
+    if not persistent:
+        return (n_tiles,)
+    return (max(1, min(n_tiles, num_sms(device))),)
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 3
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _direct_args(al, n_experts) -> dict:

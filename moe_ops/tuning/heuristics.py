@@ -20,8 +20,9 @@ class DispatchConfig:
     group_m: int = 8   # row blocks that walk the N tiles together (L2 reuse)
     tma: bool = False  # weight tiles through tensor descriptors (where the layout allows)
     direct: bool = False  # T == 1: slot k is row block k, no alignment launch
-    gemv: int = 0      # T == 1: output columns per program of the matrix-vector kernels
-                       # (moe_ops.kernels.decode: no alignment, combine fused); 0 = tiled kernels
+    fuse_combine: bool = False  # T == 1 with direct rows: the combine folded into the down GEMM
+    persistent: int = 0  # 1: one program per SM looping over tiles (flattened loop nest);
+                         # 2: the same, warp-specialized; 0: one program per tile
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -72,8 +73,10 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
         # 1152 -> 1128 us, T=8192 10.9 -> 10.5 ms) and costs on DeepSeek-V3 (I = 2048, +4%).
         # With TMA weight tiles (below) a 4th stage pays up to T=2048 and costs at T=8192
         # (entry 16: Mixtral T=2048 2775 -> 2707 us, T=8192 9752 -> 11983 us).
-        cfg = DispatchConfig(block_m, 128, 64, 256 if I >= 8192 else 128, 64, 8,
-                             4 if T <= 4096 and not wide else 3)
+        # Also on wide H with >= 256 rows per expert (entry 16: DeepSeek-V3 T=8192 13383 ->
+        # 13018 us with TMA, 14695 -> 14096 without).
+        n2 = 256 if I >= 8192 or (H >= 4096 and rows_per_expert >= 256) else 128
+        cfg = DispatchConfig(block_m, 128, 64, n2, 64, 8, 4 if T <= 4096 and not wide else 3)
     if wide:
         # float32 tiles take twice the shared memory per stage.
         cfg = replace(cfg, block_k1=32, block_k2=32, num_stages=3)
@@ -127,9 +130,17 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
     if base.block_m == 16:
         cands["no direct" if base.direct else "direct"] = r(base, direct=not base.direct)
     if base.direct:
-        for n in (4, 8, 16, 32):
-            cands[f"gemv {n}"] = r(base, gemv=n)
+        fc = not base.fuse_combine
+        cands["fused" if fc else "unfused"] = r(base, fuse_combine=fc)
+        cands["fused n16" if fc else "n16"] = r(base, fuse_combine=True, block_n2=16)
+        cands["fused n16 k256" if fc else "n16 k256"] = r(base, fuse_combine=True, block_n2=16,
+                                                           block_k2=256)
+        cands["fused n32" if fc else "n32"] = r(base, fuse_combine=True, block_n2=32)
+        cands["fused n32 k256" if fc else "n32 k256"] = r(base, fuse_combine=True,
+                                                           block_n2=32, block_k2=256)
     if base.block_m == 128:
+        cands["persistent"] = r(base, persistent=1 if base.persistent != 1 else 0)
+        cands["persistent ws"] = r(base, persistent=2 if base.persistent != 2 else 0)
         cands["s3" if base.num_stages != 3 else "s4"] = r(
             base, num_stages=3 if base.num_stages != 3 else 4)
     out = {"heuristic": base}

@@ -624,36 +624,3 @@ def test_fused_combine_one_token(interpreter, monkeypatch, routing, K, H, I, blo
             for name, a, r in zip(NAMES, got, ref):
                 assert rel_err(a, r) <= 1e-5, (seed, T, name, rel_err(a, r))
         monkeypatch.undo()
-
-
-@needs_interpreter
-@pytest.mark.parametrize("persistent,tma", [(1, False), (2, True)])
-@pytest.mark.parametrize("routing", ["mixed", "one_expert"])
-def test_persistent_grid(interpreter, monkeypatch, persistent, tma, routing):
-    """DispatchConfig.persistent (a fixed grid whose programs loop over the tiles of the active
-    row blocks; the interpreter runs 3 programs, so each loops over several tiles of several
-    experts): output, saved z and the recompute backward (its gate+up GEMM is persistent too)
-    match float64 with NaN-poisoned scratch."""
-    import dataclasses
-
-    from moe_ops.launch.dispatch import dispatch_triton
-    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
-    from moe_ops.tuning.heuristics import backward_config, dispatch_config
-
-    seed = fresh_seed()
-    T, H, I, E, K = 37, 48, 40, 4, 2
-    args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed)
-    cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float32),
-                              persistent=persistent, tma=tma)
-    _poison_empty(monkeypatch)
-    out, z = dispatch_triton(*args, config=cfg, save_z=True)
-    assert rel_err(out, _dense_float64(*_double(args))) <= 1e-5, seed
-    valid = _valid_slots(args[4])
-    z_ref = dispatch_z_reference(*_double(args[:2]), args[4])
-    assert rel_err(z[valid], z_ref[valid]) <= 1e-5, seed
-    go = torch.randn(T, H, generator=g)
-    got = dispatch_backward_triton(go, *args, z=None, config=cfg,
-                                   bwd_config=backward_config(cfg, "cpu", torch.float32))
-    ref = dispatch_backward_reference(go.double(), *_double(args))
-    for name, a, r in zip(NAMES, got, ref):
-        assert rel_err(a, r) <= 1e-5, (seed, name, rel_err(a, r))

@@ -45,7 +45,6 @@ class TestTableFormat(TestCase):
      "group_m": 8,
      "num_stages": 4,
      "num_warps": 4,
-     "persistent": 0,
      "tma": false
     }
    },

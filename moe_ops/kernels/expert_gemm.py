@@ -101,43 +101,13 @@ def gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr = False, w_desc=None,
     USE_TMA: tl.constexpr = False, ids_ptr=None, stride_ik=0, n_experts=0,
-    DIRECT: tl.constexpr = False, PERSISTENT: tl.constexpr = 0,
+    DIRECT: tl.constexpr = False,
 ):
-    """PERSISTENT 0: one program per (row block, N tile) of the grid, row blocks past num_rows
-    exit. 1: a fixed grid whose programs loop over the tiles of the active row blocks (one
-    flattened loop nest, so the next tile's loads overlap this tile's epilogue); 2: the same
-    loop warp-specialized."""
-    if PERSISTENT == 0:
-        pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
-        if not DIRECT:
-            num_rows = tl.load(num_rows_ptr)
-            if pid_m * BLOCK_M >= num_rows:
-                return
-        _gate_up_block(pid_m, pid_n, x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr,
-                       n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
-                       stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
-                       DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
-                       DIRECT)
-    else:
-        m_blocks = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
-        n_tiles = m_blocks * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True,
-                             warp_specialize=PERSISTENT == 2):
-            pid_m, pid_n = grouped_tile(tile, m_blocks, N, BLOCK_N, GROUP_M)
-            _gate_up_block(pid_m, pid_n, x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr,
-                           n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
-                           stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
-                           DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik,
-                           n_experts, DIRECT)
-
-
-@triton.jit
-def _gate_up_block(pid_m, pid_n, x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr,
-                   n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                   stride_am, z_ptr, stride_z, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr,
-                   w_desc, USE_TMA: tl.constexpr, ids_ptr, stride_ik, n_experts,
-                   DIRECT: tl.constexpr):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
+    if not DIRECT:
+        num_rows = tl.load(num_rows_ptr)
+        if pid_m * BLOCK_M >= num_rows:
+            return
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
                                           stride_ik, n_experts, BLOCK_M, DIRECT)
     tok = tl.where(row_valid, slots // top_k, 0).to(tl.int64)
@@ -166,43 +136,16 @@ def down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr = True, w_desc=None,
     TMA_LAYOUT: tl.constexpr = 0, ids_ptr=None, stride_ik=0, n_experts=0,
-    DIRECT: tl.constexpr = False, PERSISTENT: tl.constexpr = 0,
+    DIRECT: tl.constexpr = False,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
-    contiguous, block [1, BLOCK_K, BLOCK_N]; w2 for dA, w13 for dx). PERSISTENT: as in
-    gate_up_kernel."""
-    if PERSISTENT == 0:
-        pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
-        if not DIRECT:
-            num_rows = tl.load(num_rows_ptr)
-            if pid_m * BLOCK_M >= num_rows:
-                return
-        _down_block(pid_m, pid_n, act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr,
-                    block_expert_ptr, n_slots, H, I, top_k, stride_am, stride_we, stride_wn,
-                    stride_wk, stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
-                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                    n_experts, DIRECT)
-    else:
-        m_blocks = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
-        n_tiles = m_blocks * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True,
-                             warp_specialize=PERSISTENT == 2):
-            pid_m, pid_n = grouped_tile(tile, m_blocks, N, BLOCK_N, GROUP_M)
-            _down_block(pid_m, pid_n, act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr,
-                        block_expert_ptr, n_slots, H, I, top_k, stride_am, stride_we, stride_wn,
-                        stride_wk, stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N,
-                        BLOCK_K, DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr,
-                        stride_ik, n_experts, DIRECT)
-
-
-@triton.jit
-def _down_block(pid_m, pid_n, act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
-                n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk, stride_tw_t,
-                stride_tw_k, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                w_desc, TMA_LAYOUT: tl.constexpr, ids_ptr, stride_ik, n_experts,
-                DIRECT: tl.constexpr):
+    contiguous, block [1, BLOCK_K, BLOCK_N]; w2 for dA, w13 for dx)."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
+    if not DIRECT:
+        num_rows = tl.load(num_rows_ptr)
+        if pid_m * BLOCK_M >= num_rows:
+            return
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
                                           stride_ik, n_experts, BLOCK_M, DIRECT)
     rows64 = rows.to(tl.int64)

@@ -2,7 +2,6 @@
 fused), deterministic combine. Every buffer is sized from shapes; nothing syncs with the host."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +48,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     y = torch.empty(n_slots, H, dtype=hidden.dtype, device=dev)
     rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, H, I, n_slots, K,
                      cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, cfg.group_m,
-                     weights=topk_weights, tma=cfg.tma, persistent=cfg.persistent)
+                     weights=topk_weights, tma=cfg.tma)
     combine_triton(y, topk_ids, out, E)
     return (out, z) if save_z else out
 
@@ -63,22 +62,20 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None):
     zz = act if z is None else z
     w_desc = weight_desc(w13, [1, cfg.block_n1, cfg.block_k1]) if cfg.tma else None
     direct = _direct_args(al, w13.shape[0])
-    persistent = cfg.persistent if not direct else 0
-    grid = _grid(n_blocks * cdiv(I, cfg.block_n1), persistent, hidden.device)
-    kernel_for(gate_up_kernel, hidden.device)[grid](
+    kernel_for(gate_up_kernel, hidden.device)[(n_blocks * cdiv(I, cfg.block_n1),)](
         hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, top_k,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         act.stride(0), n_blocks, I, zz, zz.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
         DOT_PRECISION=_dot_precision(hidden.dtype), SAVE_Z=z is not None,
-        w_desc=w_desc, USE_TMA=w_desc is not None, **direct, PERSISTENT=persistent,
+        w_desc=w_desc, USE_TMA=w_desc is not None, **direct,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
-                     num_warps, num_stages, group_m=8, weights=None, tma=False, persistent=0):
+                     num_warps, num_stages, group_m=8, weights=None, tma=False):
     """y[slot] = (weights[slot] *) a[row] @ W_e^T ([N]) for the aligned rows: `a` is contiguous in
     aligned-row order ([max_rows, K_red]); W_e[n, k] = w[e*w_strides[0] + n*w_strides[1] +
     k*w_strides[2]] (any layout); y is per slot ([T*K, N], rows of ids < 0 unwritten). The
@@ -96,17 +93,14 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     if w_desc is None:
         layout = 0
     direct = _direct_args(al, w.shape[0])
-    persistent = persistent if not direct else 0
-    grid = _grid(n_blocks * cdiv(N, block_n), persistent, a.device)
-    kernel_for(down_kernel, a.device)[grid](
+    kernel_for(down_kernel, a.device)[(n_blocks * cdiv(N, block_n),)](
         a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, N, K_red, top_k,
         a.stride(0), w_strides[0], w_strides[1], w_strides[2],
         tw.stride(0), tw.stride(1), y.stride(0), n_blocks, N,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
-        w_desc=w_desc, TMA_LAYOUT=layout, **direct, PERSISTENT=persistent,
-        num_warps=num_warps, num_stages=num_stages,
+        w_desc=w_desc, TMA_LAYOUT=layout, **direct, num_warps=num_warps, num_stages=num_stages,
     )
 
 
@@ -157,25 +151,6 @@ class DirectRows:
         return self.ids
 
     block_expert = num_rows = sorted_slots
-
-
-def _grid(n_tiles: int, persistent: int, device: torch.device) -> tuple:
-    """One program per tile, or for a persistent kernel one per SM (at most one per tile; the
-    interpreter gets 3, so that its programs loop)."""
-    if not persistent:
-        return (n_tiles,)
-    return (max(1, min(n_tiles, num_sms(device))),)
-
-
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 3
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _direct_args(al, n_experts) -> dict:

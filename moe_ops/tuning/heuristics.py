@@ -21,8 +21,6 @@ class DispatchConfig:
     tma: bool = False  # weight tiles through tensor descriptors (where the layout allows)
     direct: bool = False  # T == 1: slot k is row block k, no alignment launch
     fuse_combine: bool = False  # T == 1 with direct rows: the combine folded into the down GEMM
-    persistent: int = 0  # 1: one program per SM looping over tiles (flattened loop nest);
-                         # 2: the same, warp-specialized; 0: one program per tile
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -85,8 +83,15 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
         # entry 16: Mixtral T=512/2048/8192 -4/-4/-6%, DeepSeek-V3 T=8192 -6%, 0 to -1.5% at
         # BLOCK_M <= 64.
         cfg = replace(cfg, tma=True)
-    # One token: no alignment launch (entry 16: Qwen3 T=1 40.6 -> 37.6 us).
-    return replace(cfg, direct=T == 1)
+    # One token: no alignment launch (entry 16: Qwen3 T=1 40.6 -> 37.6 us). The combine folded
+    # into the down GEMM pays only where its grid (one program per 32 columns of H) still covers
+    # the SMs at least 1.5 times over: DeepSeek-V3 T=1 183 -> 177 us; Qwen3/OLMoE (64 programs)
+    # +6/+11%, Mixtral (128) +2% (entry 17).
+    if T == 1:
+        cfg = replace(cfg, direct=True)
+        if not wide and H >= 32 * 198:
+            cfg = replace(cfg, fuse_combine=True, block_n2=32, block_k2=256)
+    return cfg
 
 
 def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, DispatchConfig]:
@@ -139,8 +144,6 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
         cands["fused n32 k256" if fc else "n32 k256"] = r(base, fuse_combine=True,
                                                            block_n2=32, block_k2=256)
     if base.block_m == 128:
-        cands["persistent"] = r(base, persistent=1 if base.persistent != 1 else 0)
-        cands["persistent ws"] = r(base, persistent=2 if base.persistent != 2 else 0)
         cands["s3" if base.num_stages != 3 else "s4"] = r(
             base, num_stages=3 if base.num_stages != 3 else 4)
     out = {"heuristic": base}

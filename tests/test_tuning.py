@@ -45,6 +45,7 @@ class TestTableFormat(TestCase):
      "group_m": 8,
      "num_stages": 4,
      "num_warps": 4,
+     "pdl": false,
      "tma": false
     }
    },

@@ -9,9 +9,13 @@ down_combine_one_token_kernel: T == 1 with direct rows: the down GEMM and the co
   (slot k's partial product in accumulator row k, the weighted sum over rows in the epilogue).
 combine_kernel: out[t] = sum over k in order 0..K-1 of y[t*K + k] for valid ids: deterministic,
   no atomics.
-Row blocks at or past the device-side num_rows exit at once (the grid is sized from shapes)."""
+Row blocks at or past the device-side num_rows exit at once (the grid is sized from shapes).
+USE_PDL (programmatic dependent launch, launched with launch_pdl=True): the kernel may start while
+its predecessor is finishing; it waits for it (gdc_wait) before its first memory access and lets
+its own successor start launching once its main loop is done (gdc_launch_dependents)."""
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -101,9 +105,11 @@ def gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr = False, w_desc=None,
     USE_TMA: tl.constexpr = False, ids_ptr=None, stride_ik=0, n_experts=0,
-    DIRECT: tl.constexpr = False,
+    DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
+    if USE_PDL:
+        gdc_wait()
     if not DIRECT:
         num_rows = tl.load(num_rows_ptr)
         if pid_m * BLOCK_M >= num_rows:
@@ -116,6 +122,8 @@ def gate_up_kernel(
     acc_g, acc_u = gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
                                 stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
                                 BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, w_desc, USE_TMA)
+    if USE_PDL:
+        gdc_launch_dependents()
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     rows64 = rows.to(tl.int64)
     m2 = row_valid[:, None] & n_mask[None, :]
@@ -136,12 +144,14 @@ def down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr = True, w_desc=None,
     TMA_LAYOUT: tl.constexpr = 0, ids_ptr=None, stride_ik=0, n_experts=0,
-    DIRECT: tl.constexpr = False,
+    DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
     contiguous, block [1, BLOCK_K, BLOCK_N]; w2 for dA, w13 for dx)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
+    if USE_PDL:
+        gdc_wait()
     if not DIRECT:
         num_rows = tl.load(num_rows_ptr)
         if pid_m * BLOCK_M >= num_rows:
@@ -170,6 +180,8 @@ def down_kernel(
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wk
+    if USE_PDL:
+        gdc_launch_dependents()
     slots64 = slots.to(tl.int64)
     if HAS_WEIGHTS:
         tw = tl.load(weights_ptr + (slots64 // top_k) * stride_tw_t + (slots64 % top_k) * stride_tw_k,
@@ -194,6 +206,7 @@ def combine_kernel(
     y_ptr, ids_ptr, out_ptr, T, H, E,
     stride_it, stride_ik, stride_ym, stride_ot, stride_oh,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """out[t] = sum over k = 0..TOP_K-1, in that order, of y[t*TOP_K + k] for valid ids. Up to
     K = 32 the k loop is unrolled (TOP_K is a compile-time constant) so that the K independent
@@ -207,6 +220,8 @@ def combine_kernel(
     t_mask = toks < T
     h_mask = offs_h < H
     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
+    if USE_PDL:
+        gdc_wait()
     if TOP_K <= 32:
         for k in tl.static_range(TOP_K):
             acc = _combine_slot(acc, y_ptr, ids_ptr, toks, t_mask, offs_h, h_mask, k, E,
@@ -225,6 +240,7 @@ def down_combine_one_token_kernel(
     stride_am, stride_we, stride_wn, stride_wk, stride_tw_k, stride_ik, stride_oh,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, w_desc=None, USE_TMA: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     """out[0, n-tile] = sum over k in order of topk_weight[k] * act[k*BLOCK_M] @ w2[e_k, n-tile].T
     (T == 1, direct rows: slot k's activation row is row block k's first row). One loop over
@@ -239,6 +255,8 @@ def down_combine_one_token_kernel(
     n_mask = offs_n < H
     rows = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
+    if USE_PDL:
+        gdc_wait()
     ids = tl.load(ids_ptr + rows * stride_ik, mask=rows < TOP_K, other=-1).to(tl.int32)
     valid = (ids >= 0) & (ids < E)
     ids = tl.where(valid, ids, 0)

@@ -39,7 +39,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     n_slots = T * K
     act = torch.empty(al.max_rows, I, dtype=hidden.dtype, device=dev)
     z = torch.empty(T * K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else None
-    gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z)
+    gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl)
     if isinstance(al, DirectRows) and cfg.fuse_combine and K <= cfg.block_m:
         down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg)
         return (out, z) if save_z else out
@@ -48,12 +48,12 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     y = torch.empty(n_slots, H, dtype=hidden.dtype, device=dev)
     rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, H, I, n_slots, K,
                      cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, cfg.group_m,
-                     weights=topk_weights, tma=cfg.tma)
-    combine_triton(y, topk_ids, out, E)
+                     weights=topk_weights, tma=cfg.tma, pdl=cfg.pdl)
+    combine_triton(y, topk_ids, out, E, pdl=cfg.pdl)
     return (out, z) if save_z else out
 
 
-def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None):
+def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False):
     """act[row] = SwiGLU(W13_e x_t) over the aligned rows (gathering token rows through the slot
     table); with `z` ([T*K, 2I]) also the pre-activation per slot."""
     H = hidden.shape[1]
@@ -70,12 +70,12 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None):
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
         DOT_PRECISION=_dot_precision(hidden.dtype), SAVE_Z=z is not None,
         w_desc=w_desc, USE_TMA=w_desc is not None, **direct,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_args(pdl, hidden.device),
     )
 
 
 def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
-                     num_warps, num_stages, group_m=8, weights=None, tma=False):
+                     num_warps, num_stages, group_m=8, weights=None, tma=False, pdl=False):
     """y[slot] = (weights[slot] *) a[row] @ W_e^T ([N]) for the aligned rows: `a` is contiguous in
     aligned-row order ([max_rows, K_red]); W_e[n, k] = w[e*w_strides[0] + n*w_strides[1] +
     k*w_strides[2]] (any layout); y is per slot ([T*K, N], rows of ids < 0 unwritten). The
@@ -101,10 +101,11 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
         w_desc=w_desc, TMA_LAYOUT=layout, **direct, num_warps=num_warps, num_stages=num_stages,
+        **_pdl_args(pdl, a.device),
     )
 
 
-def combine_triton(y, topk_ids, out, num_experts):
+def combine_triton(y, topk_ids, out, num_experts, pdl=False):
     """out[t] = sum over k in order of the per-slot rows y[t*K + k] of valid ids (float32 sum,
     deterministic). Small T: narrow column blocks, so that more programs share the latency."""
     T, H = out.shape
@@ -114,7 +115,7 @@ def combine_triton(y, topk_ids, out, num_experts):
     kernel_for(combine_kernel, out.device)[(cdiv(T, block_t), cdiv(H, block_h))](
         y, topk_ids, out, T, H, num_experts,
         topk_ids.stride(0), topk_ids.stride(1), y.stride(0), out.stride(0), out.stride(1),
-        TOP_K=K, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+        TOP_K=K, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **_pdl_args(pdl, out.device),
     )
 
 
@@ -130,7 +131,7 @@ def down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg):
         topk_ids.stride(1), out.stride(1),
         TOP_K=K, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
         DOT_PRECISION=_dot_precision(act.dtype), w_desc=w_desc, USE_TMA=w_desc is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_args(cfg.pdl, act.device),
     )
 
 
@@ -151,6 +152,14 @@ class DirectRows:
         return self.ids
 
     block_expert = num_rows = sorted_slots
+
+
+def _pdl_args(pdl: bool, device: torch.device) -> dict:
+    """Launch options of a kernel with programmatic dependent launch (Hopper and later; off in the
+    interpreter, which cannot run the grid-dependency instructions)."""
+    if not pdl or device.type != "cuda":
+        return {}
+    return dict(USE_PDL=True, launch_pdl=True)
 
 
 def _direct_args(al, n_experts) -> dict:

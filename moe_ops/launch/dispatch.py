@@ -2,6 +2,7 @@
 fused), deterministic combine. Every buffer is sized from shapes; nothing syncs with the host."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -157,9 +158,14 @@ class DirectRows:
 def _pdl_args(pdl: bool, device: torch.device) -> dict:
     """Launch options of a kernel with programmatic dependent launch (Hopper and later; off in the
     interpreter, which cannot run the grid-dependency instructions)."""
-    if not pdl or device.type != "cuda":
+    if not pdl or device.type != "cuda" or not _sm90(device):
         return {}
     return dict(USE_PDL=True, launch_pdl=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _direct_args(al, n_experts) -> dict:

@@ -106,6 +106,50 @@ def test_heuristic_block_m_follows_rows_per_expert():
     assert f32.block_k1 == f32.block_k2 == 32
 
 
+def test_heuristic_path_switches():
+    """Where the heuristic turns on the paths measured in benchmarks/NOTES.md entries 16-17."""
+    bf, f32 = torch.bfloat16, torch.float32
+    mixtral, qwen3, deepseek = (4096, 14336, 8, 2), (2048, 768, 128, 8), (7168, 2048, 256, 8)
+
+    def cfg(T, shape, dtype=bf):
+        H, I, E, K = shape
+        return heuristic_config(T, E, K, H, I, "cuda", dtype)
+
+    for T in (1, 8, 512, 8192):
+        for shape in (mixtral, qwen3, deepseek):
+            c = cfg(T, shape)
+            assert c.tma and c.pdl and c.direct == (T == 1), (T, shape, c)
+            assert not cfg(T, shape, f32).tma   # float32 TMA tiles never measured
+            assert cfg(T, shape, f32).direct == (T == 1)
+    # the folded combine only where cdiv(H, 32) >= 1.5 programs per SM (DeepSeek-V3's H)
+    assert cfg(1, deepseek).fuse_combine and cfg(1, deepseek).block_n2 == 32
+    assert not cfg(1, qwen3).fuse_combine and not cfg(1, mixtral).fuse_combine
+    assert not cfg(8, deepseek).fuse_combine
+    # 4 stages at BLOCK_M 128 up to T=4096, 3 above; 256-wide down tiles on long I or wide H
+    # with >= 256 rows per expert
+    assert cfg(2048, mixtral).num_stages == 4 and cfg(8192, mixtral).num_stages == 3
+    assert cfg(8192, deepseek).block_n2 == 256 and cfg(2048, deepseek).block_n2 == 128
+    assert cfg(8192, qwen3).block_n2 == 128 and cfg(512, mixtral).block_n2 == 256
+    # interpreter configs never use the GPU-only paths
+    cpu = heuristic_config(1, 8, 2, 64, 32, "cpu", f32)
+    assert not (cpu.tma or cpu.pdl or cpu.fuse_combine)
+
+
+def test_pdl_launch_options_only_on_sm90(monkeypatch):
+    import moe_ops.launch.dispatch as launch
+
+    assert launch._pdl_args(True, torch.device("cpu")) == {}
+    assert launch._pdl_args(False, torch.device("cuda", 0)) == {}
+    launch._sm90.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    assert launch._pdl_args(True, torch.device("cuda", 0)) == {}
+    launch._sm90.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert launch._pdl_args(True, torch.device("cuda", 0)) == {"USE_PDL": True,
+                                                                 "launch_pdl": True}
+    launch._sm90.cache_clear()
+
+
 def test_tune_cli_smoke_through_interpreter(interpreter, tmp_path, capsys):
     from moe_ops import tune
 

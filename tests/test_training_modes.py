@@ -523,11 +523,14 @@ def test_backward_launcher_several_tiles(interpreter, monkeypatch, saved):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("H,I", [(32, 48), (64, 32), (17, 11)])
-def test_tma_weight_tiles(interpreter, monkeypatch, H, I):
+@pytest.mark.parametrize("pair", [False, True])
+@pytest.mark.parametrize("H,I", [(32, 48), (64, 32), (17, 11), (64, 11)])
+def test_tma_weight_tiles(interpreter, monkeypatch, H, I, pair):
     """DispatchConfig.tma / BackwardConfig.tma (weight tiles through tensor descriptors, zero-
-    filled past the edges; gate tiles past I read up rows that are never stored) match float64
-    in the forward and the backward; H=17 has rows TMA cannot address and falls back."""
+    filled past the edges; gate tiles past I read up rows that are never stored) and
+    DispatchConfig.tma_pair (gate and up tiles in one copy of a [E, 2, I, H] view, each
+    zero-filled past I) match float64 in the forward (output and saved z) and the backward;
+    H=17 has rows TMA cannot address and falls back."""
     import dataclasses
 
     from moe_ops.launch.dispatch import dispatch_triton, weight_desc
@@ -539,11 +542,15 @@ def test_tma_weight_tiles(interpreter, monkeypatch, H, I):
     args, g = _inputs(T, H, I, E, K, routing="mixed", seed=seed)
     assert (weight_desc(args[1], [1, 16, 16]) is None) == (H % 4 != 0)
     go = torch.randn(T, H, generator=g)
-    cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float32), tma=True)
+    cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float32), tma=True,
+                              tma_pair=pair)
     bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float32), tma=True)
     _poison_empty(monkeypatch)
     out, z = dispatch_triton(*args, config=cfg, save_z=True)
     assert rel_err(out, _dense_float64(*_double(args))) <= 1e-5, seed
+    valid = _valid_slots(args[4])
+    z_ref = dispatch_z_reference(*_double(args[:2]), args[4])
+    assert rel_err(z[valid], z_ref[valid]) <= 1e-5, seed
     got = dispatch_backward_triton(go, *args, z=z, config=cfg, bwd_config=bc)
     ref = dispatch_backward_reference(go.double(), *_double(args))
     for name, a, r in zip(NAMES, got, ref):

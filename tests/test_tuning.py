@@ -46,7 +46,8 @@ class TestTableFormat(TestCase):
      "num_stages": 4,
      "num_warps": 4,
      "pdl": false,
-     "tma": false
+     "tma": false,
+     "tma_pair": false
     }
    },
    "dtype": "bfloat16"

@@ -35,7 +35,8 @@ def grouped_tile(pid, n_row_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.conste
 def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
                  stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, w_desc=None, USE_TMA: tl.constexpr = False):
+                 DOT_PRECISION: tl.constexpr, w_desc=None, USE_TMA: tl.constexpr = False,
+                 TMA_PAIR: tl.constexpr = False):
     """(gate, up) pre-activations [BLOCK_M, BLOCK_N] of the rows of tokens `tok` for expert `e`
     and columns pid_n*BLOCK_N.. of I, accumulated in float32 over H. Pointer path: one
     [BLOCK_K, 2*BLOCK_N] weight tile per step, gate columns n0..n0+BN then the matching up columns
@@ -43,9 +44,22 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
     (USE_TMA, `w_desc` a [E, 2I, H] descriptor with block [1, BLOCK_N, BLOCK_K]): the gate and up
     tiles come by tensor-memory copies, no address arithmetic or masks (out-of-range rows and
     columns are zero-filled, or belong to columns >= I that the caller never stores), two
-    products."""
+    products. TMA pair path (USE_TMA and TMA_PAIR, `w_desc` a [E, 2, I, H] view with block
+    [1, 2, BLOCK_N, BLOCK_K]): gate and up tiles in one copy (each zero-filled past I) and one
+    N=2*BLOCK_N product, as on the pointer path."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    if USE_TMA and TMA_PAIR:
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
+        n0 = pid_n * BLOCK_N
+        e32 = e.to(tl.int32)
+        for k0 in range(0, H, BLOCK_K):
+            k_mask = offs_k < H - k0
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+            gu = tl.reshape(w_desc.load([e32, 0, n0, k0]), (2 * BLOCK_N, BLOCK_K))
+            acc = tl.dot(a, tl.trans(gu), acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_xh
+        return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     if USE_TMA:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -105,7 +119,7 @@ def gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr = False, w_desc=None,
     USE_TMA: tl.constexpr = False, ids_ptr=None, stride_ik=0, n_experts=0,
-    DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False, TMA_PAIR: tl.constexpr = False,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
@@ -121,7 +135,8 @@ def gate_up_kernel(
     n_mask = offs_n < I
     acc_g, acc_u = gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
                                 stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                                BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, w_desc, USE_TMA)
+                                BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, w_desc, USE_TMA,
+                                TMA_PAIR)
     if USE_PDL:
         gdc_launch_dependents()
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u

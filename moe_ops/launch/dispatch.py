@@ -61,7 +61,15 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False)
     I = act.shape[1]
     n_blocks = al.max_rows // cfg.block_m
     zz = act if z is None else z
-    w_desc = weight_desc(w13, [1, cfg.block_n1, cfg.block_k1]) if cfg.tma else None
+    w_desc, pair = None, False
+    if cfg.tma and cfg.tma_pair:   # [E, 2I, H] seen as [E, 2, I, H]: gate and up in one copy
+        E, I2, H = w13.shape
+        st = w13.stride()
+        w_desc = weight_desc(w13, [1, 2, cfg.block_n1, cfg.block_k1],
+                             shape=[E, 2, I2 // 2, H], strides=[st[0], I2 // 2 * st[1], st[1], st[2]])
+        pair = w_desc is not None
+    if cfg.tma and w_desc is None:
+        w_desc = weight_desc(w13, [1, cfg.block_n1, cfg.block_k1])
     direct = _direct_args(al, w13.shape[0])
     kernel_for(gate_up_kernel, hidden.device)[(n_blocks * cdiv(I, cfg.block_n1),)](
         hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
@@ -70,7 +78,7 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False)
         act.stride(0), n_blocks, I, zz, zz.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
         DOT_PRECISION=_dot_precision(hidden.dtype), SAVE_Z=z is not None,
-        w_desc=w_desc, USE_TMA=w_desc is not None, **direct,
+        w_desc=w_desc, USE_TMA=w_desc is not None, TMA_PAIR=pair, **direct,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_args(pdl, hidden.device),
     )
 
@@ -174,13 +182,15 @@ def _direct_args(al, n_experts) -> dict:
     return dict(ids_ptr=al.ids, stride_ik=al.ids.stride(1), n_experts=n_experts, DIRECT=True)
 
 
-def weight_desc(w, block_shape):
-    """A tensor-memory-access descriptor of the [E, ., .] weight `w` with `block_shape`, or None
-    when its layout does not allow one (TMA needs a contiguous last dimension and 16-byte
-    aligned base and row strides)."""
+def weight_desc(w, block_shape, shape=None, strides=None):
+    """A tensor-memory-access descriptor of the [E, ., .] weight `w` (or of the view of its
+    storage given by `shape` and `strides`) with `block_shape`, or None when the layout does not
+    allow one (TMA needs a contiguous last dimension and 16-byte aligned base and strides)."""
+    shape = list(w.shape) if shape is None else list(shape)
+    strides = list(w.stride()) if strides is None else list(strides)
     es = w.element_size()
-    if w.stride(-1) != 1 or w.data_ptr() % 16 or any(st * es % 16 for st in w.stride()[:-1]):
+    if strides[-1] != 1 or w.data_ptr() % 16 or any(st * es % 16 for st in strides[:-1]):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(w, list(w.shape), list(w.stride()), list(block_shape))
+    return TensorDescriptor(w, shape, strides, list(block_shape))

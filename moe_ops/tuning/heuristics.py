@@ -22,6 +22,7 @@ class DispatchConfig:
     direct: bool = False  # T == 1: slot k is row block k, no alignment launch
     fuse_combine: bool = False  # T == 1 with direct rows: the combine folded into the down GEMM
     pdl: bool = False  # programmatic dependent launch of the forward's kernels (sm_90+)
+    tma_pair: bool = False  # with tma: gate and up weight tiles in one copy, one product
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -149,6 +150,8 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
         cands["fused n32 k256" if fc else "n32 k256"] = r(base, fuse_combine=True,
                                                            block_n2=32, block_k2=256)
     cands["no pdl" if base.pdl else "pdl"] = r(base, pdl=not base.pdl)
+    if base.tma:
+        cands["tma unpaired" if base.tma_pair else "tma pair"] = r(base, tma_pair=not base.tma_pair)
     if base.block_m == 128:
         cands["s3" if base.num_stages != 3 else "s4"] = r(
             base, num_stages=3 if base.num_stages != 3 else 4)

@@ -151,6 +151,22 @@ def test_pdl_launch_options_only_on_sm90(monkeypatch):
     launch._sm90.cache_clear()
 
 
+def test_no_tma_descriptors_before_sm90(monkeypatch):
+    """Before Hopper the TMA setting falls back to pointer loads (no descriptor is made)."""
+    import moe_ops.launch.dispatch as launch
+
+    class FakeCudaTensor:
+        is_cuda = True
+        device = torch.device("cuda", 0)
+
+    launch._sm90.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    assert launch.weight_desc(FakeCudaTensor(), [1, 16, 16]) is None
+    launch._sm90.cache_clear()
+    w = torch.zeros(2, 32, 32)   # CPU (interpreter): descriptors are made
+    assert launch.weight_desc(w, [1, 16, 16]) is not None
+
+
 def test_tune_cli_smoke_through_interpreter(interpreter, tmp_path, capsys):
     from moe_ops import tune
 

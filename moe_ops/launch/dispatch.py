@@ -185,7 +185,11 @@ def _direct_args(al, n_experts) -> dict:
 def weight_desc(w, block_shape, shape=None, strides=None):
     """A tensor-memory-access descriptor of the [E, ., .] weight `w` (or of the view of its
     storage given by `shape` and `strides`) with `block_shape`, or None when the layout does not
-    allow one (TMA needs a contiguous last dimension and 16-byte aligned base and strides)."""
+    allow one (TMA needs a contiguous last dimension and 16-byte aligned base and strides) or
+    the GPU has no tensor memory accelerator (before sm_90: the pointer path, as measured there
+    before TMA). The interpreter takes descriptors (its tests cover the TMA path on CPU)."""
+    if w.is_cuda and not _sm90(w.device):
+        return None
     shape = list(w.shape) if shape is None else list(shape)
     strides = list(w.stride()) if strides is None else list(strides)
     es = w.element_size()

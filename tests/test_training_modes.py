@@ -631,3 +631,27 @@ def test_fused_combine_one_token(interpreter, monkeypatch, routing, K, H, I, blo
             for name, a, r in zip(NAMES, got, ref):
                 assert rel_err(a, r) <= 1e-5, (seed, T, name, rel_err(a, r))
         monkeypatch.undo()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fused,tma", [(False, False), (True, False), (True, True)])
+def test_one_token_out_of_range_ids_dropped(interpreter, monkeypatch, fused, tma):
+    """At T == 1 (direct rows, and the folded combine) an id >= E is dropped like an id < 0:
+    no out-of-bounds weight read, the other slots unchanged."""
+    import dataclasses
+
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.tuning.heuristics import dispatch_config
+
+    seed = fresh_seed()
+    T, H, I, E, K = 1, 32, 24, 5, 4
+    (h, w13, w2, w, ids), _ = _inputs(T, H, I, E, K, routing="uniform", seed=seed)
+    bad = ids.clone()
+    bad[0, 1] = E
+    bad[0, 3] = 1000
+    dropped = bad.masked_fill(bad >= E, -1)
+    cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float32), direct=True,
+                              fuse_combine=fused, tma=tma)
+    _poison_empty(monkeypatch)
+    out = dispatch_triton(h, w13, w2, w, bad, config=cfg)
+    assert rel_err(out, _dense_float64(*_double((h, w13, w2, w, dropped)))) <= 1e-5, seed

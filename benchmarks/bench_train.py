@@ -517,14 +517,7 @@ def main(argv=None) -> int:
               f"{'every T' if opts.check_all else 'the smallest T of each shape'}); peak = "
               "max_memory_allocated delta of one step (gradients included); skip = estimated over "
               "--max-gib; oom = ran out of memory (larger T then skipped)")
-    notes = [f"{c.shape} T={c.T} {r.impl}: {r.status} {r.note}".rstrip()
-             for c in cells for r in c.results.values() if r.status != "ok" or r.note]
-    log("")
-    log(f"finished in {elapsed:.0f} s")
-    if notes:
-        log("notes:")
-        for n in notes:
-            log("  " + n)
+    bm.log_finish(cells, elapsed, log)
     log("")
     log(bm.text_table(DETAIL_HEADER, detail_rows(cells, impl_names)))
     log("")
@@ -534,12 +527,9 @@ def main(argv=None) -> int:
     if opts.csv:
         write_csv(opts.csv, cells, impl_names, env)
     if opts.md:
-        with open(opts.md, "w") as f:
-            f.write("# moe_ops training benchmark (forward + backward)\n\n")
-            f.write("\n".join(f"- {k}: {v}" for k, v in env) + "\n\n")
-            f.write(legend + "\n\n" + bm.md_table(header, rows) + "\n\n")
-            f.write("## Every implementation\n\n"
-                    + bm.md_table(DETAIL_HEADER, detail_rows(cells, impl_names)) + "\n")
+        bm.write_md(opts.md, "moe_ops training benchmark (forward + backward)", env, legend,
+                    bm.md_table(header, rows),
+                    bm.md_table(DETAIL_HEADER, detail_rows(cells, impl_names)))
     return 0
 
 

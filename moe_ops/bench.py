@@ -778,16 +778,8 @@ def main(argv=None) -> int:
     legend = ("times in us (median); 'e/g' = eager/CUDA-graph replay; a baseline shows its better "
               "figure, 'g' = graph; floor = max(bytes/bw, flops/rate); speedup = best baseline / "
               "moe_ops best; FAIL = rel err above tolerance; skip/n/a: see detail")
-    notes = [f"{c.shape} T={c.T} {r.impl}: {r.status} {r.note}".rstrip()
-             for c in cells for r in c.results.values() if r.status != "ok" or r.note]
-    log("")
-    log(f"finished in {elapsed:.0f} s")
-    if unchecked:
-        log("not checked against the float64 reference (over --check-max-gflop): " + ", ".join(unchecked))
-    if notes:
-        log("notes:")
-        for n in notes:
-            log("  " + n)
+    log_finish(cells, elapsed, log, "not checked against the float64 reference (over "
+               "--check-max-gflop): " + ", ".join(unchecked) if unchecked else "")
     log("")
     log(legend)
     log(text_table(header, rows))
@@ -795,17 +787,41 @@ def main(argv=None) -> int:
     if opts.csv:
         write_csv(opts.csv, cells, impl_names, env)
     if opts.md:
-        with open(opts.md, "w") as f:
-            f.write("# moe_ops forward benchmark\n\n")
-            f.write("\n".join(f"- {k}: {v}" for k, v in env) + "\n\n")
-            f.write(legend + "\n\n" + md_table(header, rows) + "\n\n")
-            f.write("## Every implementation\n\n"
-                    + md_table(DETAIL_HEADER, detail_rows(cells, impl_names)) + "\n")
-            if unchecked:
-                f.write("\nNot checked against the float64 reference: " + ", ".join(unchecked) + "\n")
+        write_md(opts.md, "moe_ops forward benchmark", env, legend, md_table(header, rows),
+                 md_table(DETAIL_HEADER, detail_rows(cells, impl_names)),
+                 "Not checked against the float64 reference: " + ", ".join(unchecked)
+                 if unchecked else "")
     if opts.plot:
         write_plot(opts.plot, cells, impl_names, env, opts.dtype)
     return 0
+
+
+def log_finish(cells, elapsed: float, log, extra: str = "") -> None:
+    """The end of a benchmark run's log (moe_ops.bench and benchmarks/bench_train.py): the run
+    time, an `extra` line, and a note for every result that is not plainly ok."""
+    notes = [f"{c.shape} T={c.T} {r.impl}: {r.status} {r.note}".rstrip()
+             for c in cells for r in c.results.values() if r.status != "ok" or r.note]
+    log("")
+    log(f"finished in {elapsed:.0f} s")
+    if extra:
+        log(extra)
+    if notes:
+        log("notes:")
+        for n in notes:
+            log("  " + n)
+
+
+def write_md(path, title: str, env, legend: str, summary_md: str, detail_md: str,
+             extra: str = "") -> None:
+    """A benchmark run as Markdown: the environment, the summary table under its legend, every
+    implementation's detail table, and an `extra` closing line."""
+    with open(path, "w") as f:
+        f.write(f"# {title}\n\n")
+        f.write("\n".join(f"- {k}: {v}" for k, v in env) + "\n\n")
+        f.write(legend + "\n\n" + summary_md + "\n\n")
+        f.write("## Every implementation\n\n" + detail_md + "\n")
+        if extra:
+            f.write("\n" + extra + "\n")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,14 @@ def _poison_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
+def _z_err(z, args):
+    """Relative error of a saved pre-activation z against float64, over the slots of valid ids
+    (rows of dropped ids are never written)."""
+    valid = _valid_slots(args[4])
+    z_ref = dispatch_z_reference(*_double(args[:2]), args[4])
+    return rel_err(z[valid], z_ref[valid])
+
+
 def _double(args):
     return [a.detach().double() if a.is_floating_point() else a for a in args]
 
@@ -364,11 +372,10 @@ def test_z_matches_oracle(path, dtype, routing, request, monkeypatch):
     out, z = torch.ops.moe.dispatch_train(*args)
     msg = f"seed={seed} path={path} dtype={dtype} routing={routing}"
     assert z.shape == (T * K, 2 * I) and z.dtype == dtype, (msg, z.shape, z.dtype)
-    valid = _valid_slots(args[4])
-    z_ref = dispatch_z_reference(*_double(args[:2]), args[4])
-    err = rel_err(z[valid], z_ref[valid])
+    err = _z_err(z, args)
     assert err <= RTOL[dtype], (msg, err)
     if path == "reference_path":
+        valid = _valid_slots(args[4])
         assert torch.equal(z[~valid], torch.zeros_like(z[~valid])), msg
     assert torch.equal(out, torch.ops.moe.dispatch(*args)), msg
 
@@ -378,9 +385,7 @@ def test_z_interpreter_several_tiles(interpreter):
     seed = fresh_seed()
     args, _ = _inputs(20, 40, 37, 3, 2, routing="mixed", seed=seed)
     out, z = torch.ops.moe.dispatch_train(*args)
-    valid = _valid_slots(args[4])
-    z_ref = dispatch_z_reference(*_double(args[:2]), args[4])
-    assert rel_err(z[valid], z_ref[valid]) <= RTOL[torch.float32], seed
+    assert _z_err(z, args) <= RTOL[torch.float32], seed
     assert torch.equal(out, torch.ops.moe.dispatch(*args)), seed
 
 
@@ -548,9 +553,7 @@ def test_tma_weight_tiles(interpreter, monkeypatch, H, I, pair):
     _poison_empty(monkeypatch)
     out, z = dispatch_triton(*args, config=cfg, save_z=True)
     assert rel_err(out, _dense_float64(*_double(args))) <= 1e-5, seed
-    valid = _valid_slots(args[4])
-    z_ref = dispatch_z_reference(*_double(args[:2]), args[4])
-    assert rel_err(z[valid], z_ref[valid]) <= 1e-5, seed
+    assert _z_err(z, args) <= 1e-5, seed
     got = dispatch_backward_triton(go, *args, z=z, config=cfg, bwd_config=bc)
     ref = dispatch_backward_reference(go.double(), *_double(args))
     for name, a, r in zip(NAMES, got, ref):
@@ -576,9 +579,7 @@ def test_direct_rows_one_token(interpreter, monkeypatch, routing, K):
         _poison_empty(monkeypatch)
         out, z = dispatch_triton(*args, config=cfg, save_z=True)
         assert rel_err(out, _dense_float64(*_double(args))) <= 1e-5, (seed, T)
-        valid = _valid_slots(args[4])
-        z_ref = dispatch_z_reference(*_double(args[:2]), args[4])
-        assert rel_err(z[valid], z_ref[valid]) <= 1e-5, (seed, T)
+        assert _z_err(z, args) <= 1e-5, (seed, T)
         monkeypatch.undo()
 
 
@@ -620,9 +621,7 @@ def test_fused_combine_one_token(interpreter, monkeypatch, routing, K, H, I, blo
         assert len(combines) == (0 if T == 1 and K <= 16 else 1), (T, K)   # the path taken
         assert not out.isnan().any(), (seed, T)
         assert rel_err(out, _dense_float64(*_double(args))) <= tol, (seed, T)
-        valid = _valid_slots(args[4])
-        z_ref = dispatch_z_reference(*_double(args[:2]), args[4])
-        assert rel_err(z[valid], z_ref[valid]) <= tol, (seed, T)
+        assert _z_err(z, args) <= tol, (seed, T)
         if dtype == torch.float32 and K <= 4:
             go = torch.randn(T, H, generator=g)
             got = dispatch_backward_triton(go, *args, z=z, config=cfg,

@@ -59,11 +59,11 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
     block_m = 16 if need <= 16 else 32 if need <= 32 else 64 if need <= 64 else 128
     wide = dtype == torch.float32
     if block_m <= 64:
-        # Weight-streaming: 4-warp programs, 128-deep steps. A 128-wide down tile on wide hidden
-        # sizes when it still leaves a program per SM (Mixtral T=8: 604 -> 570 us; DeepSeek-V3
-        # T=512: -0.5%; Qwen3 zipf T=512, H = 2048: +7%).
-        # At BLOCK_M 64 the 128-wide down tile pays on any H (entry 16: Qwen3 zipf T=512
-        # 445 -> 397 us, Mixtral T=128 712 -> 690 us).
+        # Weight-streaming: 4-warp programs, 128-deep steps. A 128-wide down tile when it still
+        # leaves a program per SM: at BLOCK_M <= 32 on wide hidden sizes only (Mixtral T=8:
+        # 604 -> 570 us; DeepSeek-V3 T=512: -0.5%; Qwen3 zipf T=512 at BLOCK_M 32, H = 2048:
+        # +7%), at BLOCK_M 64 on any H (entry 16: Qwen3 zipf T=512 445 -> 397 us, Mixtral T=128
+        # 712 -> 690 us).
         row_blocks = max(min(E, T * K), T * K / block_m)
         wide_down = (block_m == 64 or H >= 4096) and row_blocks * H / 128 >= 132
         cfg = DispatchConfig(block_m, 64, 128, 128 if wide_down else 64, 128, 4, 4)
@@ -76,7 +76,7 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
         # Also on wide H with >= 256 rows per expert (entry 16: DeepSeek-V3 T=8192 13383 ->
         # 13018 us with TMA, 14695 -> 14096 without).
         n2 = 256 if I >= 8192 or (H >= 4096 and rows_per_expert >= 256) else 128
-        cfg = DispatchConfig(block_m, 128, 64, n2, 64, 8, 4 if T <= 4096 and not wide else 3)
+        cfg = DispatchConfig(block_m, 128, 64, n2, 64, 8, 4 if T <= 4096 else 3)
     if wide:
         # float32 tiles take twice the shared memory per stage.
         cfg = replace(cfg, block_k1=32, block_k2=32, num_stages=3)
@@ -85,14 +85,14 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
         # entry 16: Mixtral T=512/2048/8192 -4/-4/-6%, DeepSeek-V3 T=8192 -6%, 0 to -1.5% at
         # BLOCK_M <= 64.
         cfg = replace(cfg, tma=True)
-    # One token: no alignment launch (entry 16: Qwen3 T=1 40.6 -> 37.6 us). The combine folded
-    # into the down GEMM pays only where its grid (one program per 32 columns of H) still covers
-    # the SMs at least 1.5 times over: DeepSeek-V3 T=1 183 -> 177 us; Qwen3/OLMoE (64 programs)
-    # +6/+11%, Mixtral (128) +2% (entry 17).
     # Programmatic dependent launch (sm_90+; ignored elsewhere): each kernel's launch overlaps
     # its predecessor's tail (entry 17: Qwen3 T=1 36.5 -> 35.5 us, T=8 142.4 -> 140.6, OLMoE
     # T=1 43.5 -> 42.3; 0.3-1 us on the other cells measured).
     cfg = replace(cfg, pdl=True)
+    # One token: no alignment launch (entry 16: Qwen3 T=1 40.6 -> 37.6 us). The combine folded
+    # into the down GEMM pays only where its grid (one program per 32 columns of H) still covers
+    # the SMs at least 1.5 times over: DeepSeek-V3 T=1 183 -> 177 us; Qwen3/OLMoE (64 programs)
+    # +6/+11%, Mixtral (128) +2% (entry 17).
     if T == 1:
         cfg = replace(cfg, direct=True)
         if not wide and H >= 32 * 198:

@@ -63,10 +63,9 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False)
     zz = act if z is None else z
     w_desc, pair = None, False
     if cfg.tma and cfg.tma_pair:   # [E, 2I, H] seen as [E, 2, I, H]: gate and up in one copy
-        E, I2, H = w13.shape
         st = w13.stride()
         w_desc = weight_desc(w13, [1, 2, cfg.block_n1, cfg.block_k1],
-                             shape=[E, 2, I2 // 2, H], strides=[st[0], I2 // 2 * st[1], st[1], st[2]])
+                             shape=[w13.shape[0], 2, I, H], strides=[st[0], I * st[1], st[1], st[2]])
         pair = w_desc is not None
     if cfg.tma and w_desc is None:
         w_desc = weight_desc(w13, [1, cfg.block_n1, cfg.block_k1])

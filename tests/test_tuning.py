@@ -43,9 +43,12 @@ class TestTableFormat(TestCase):
      "direct": false,
      "fuse_combine": false,
      "group_m": 8,
+     "half_tail": false,
      "num_stages": 4,
      "num_warps": 4,
      "pdl": false,
+     "pdl_early": false,
+     "prefetch": 0,
      "tma": false,
      "tma_pair": false
     }

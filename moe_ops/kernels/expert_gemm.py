@@ -12,7 +12,18 @@ combine_kernel: out[t] = sum over k in order 0..K-1 of y[t*K + k] for valid ids:
 Row blocks at or past the device-side num_rows exit at once (the grid is sized from shapes).
 USE_PDL (programmatic dependent launch, launched with launch_pdl=True): the kernel may start while
 its predecessor is finishing; it waits for it (gdc_wait) before its first memory access and lets
-its own successor start launching once its main loop is done (gdc_launch_dependents)."""
+its own successor start launching once its main loop is done (gdc_launch_dependents), or at once
+after its wait with PDL_EARLY (the successor's programs then sit resident, waiting, while this
+kernel runs: that is what lets them prefetch).
+PREFETCH_BYTES (sm_90+, the down GEMM and the T == 1 gate+up): before its wait each program asks
+L2 for the first PREFETCH_BYTES of every weight row of its tile (cp.async.bulk.prefetch, a hint
+with no completion and no register use), so its weights stream in while the kernel before it is
+finishing. The expert id it reads there was written two kernels back (alignment or router: done,
+because the kernel in between waited for it before letting this one launch) and is clamped to
+[0, E), so a prefetch never leaves the weight tensor and cannot change a result.
+HALF_TAIL (BLOCK_M 128): a row block whose second half is all padding (the tail block of an
+expert: valid rows come first) runs a BLOCK_M/2-row tile, halving the tensor-core work of the
+blocks that hold an expert's last few rows."""
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -29,6 +40,20 @@ def grouped_tile(pid, n_row_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.conste
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
     return pid_m, pid_n
+
+
+@triton.jit
+def prefetch_weight_rows(w_ptr, e, n_experts, offs_n, n_mask, stride_we, stride_wn,
+                         NBYTES: tl.constexpr):
+    """Ask L2 for the first NBYTES (a multiple of 16; 16-byte aligned rows) of rows offs_n of
+    expert e's weight (rows contiguous). Only a hint: nothing waits for it."""
+    e = tl.minimum(tl.maximum(e.to(tl.int64), 0), n_experts - 1)
+    addr = (w_ptr + e * stride_we + offs_n.to(tl.int64) * stride_wn).to(tl.int64, bitcast=True)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; "
+        "mov.u32 $0, 0; }",
+        "=r,l,r,r", [addr, n_mask.to(tl.int32), tl.full(offs_n.shape, NBYTES, tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -93,21 +118,28 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
 
 @triton.jit
 def row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr, stride_ik, n_experts,
-              BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
-    """(expert, rows, slots, row_valid) of row block pid_m. Aligned rows: the alignment's block
-    expert and slot table (padding slots hold n_slots). DIRECT (T == 1, no alignment launch):
-    block k is slot k alone, its expert topk_ids[0, k]; a dropped id gives no valid row (and
-    expert 0's weights as harmless in-bounds operands)."""
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+              BLOCK_M: tl.constexpr, DIRECT: tl.constexpr, TILE_M: tl.constexpr):
+    """(expert, rows, slots, row_valid) of the first TILE_M rows of row block pid_m. Aligned
+    rows: the alignment's block expert and slot table (padding slots hold n_slots). DIRECT
+    (T == 1, no alignment launch): block k is slot k alone, its expert topk_ids[0, k]; a dropped
+    id gives no valid row (and expert 0's weights as harmless in-bounds operands)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, TILE_M)
     if DIRECT:
         e = tl.load(ids_ptr + pid_m * stride_ik).to(tl.int64)
         ok = (e >= 0) & (e < n_experts)
-        slots = tl.where((tl.arange(0, BLOCK_M) == 0) & ok, pid_m, n_slots)
+        slots = tl.where((tl.arange(0, TILE_M) == 0) & ok, pid_m, n_slots)
         e = tl.where(ok, e, 0)
     else:
         e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         slots = tl.load(sorted_ptr + rows)
     return e, rows, slots, slots < n_slots
+
+
+@triton.jit
+def half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M: tl.constexpr):
+    """Whether row block pid_m's valid rows all fit its first half: padding rows come last in an
+    expert's range, so row BLOCK_M/2 holding the padding sentinel says so."""
+    return tl.load(sorted_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= n_slots
 
 
 @triton.jit
@@ -120,24 +152,65 @@ def gate_up_kernel(
     DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr = False, w_desc=None,
     USE_TMA: tl.constexpr = False, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False, TMA_PAIR: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
+    PREFETCH_BYTES: tl.constexpr = 0,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
+    if DIRECT and PREFETCH_BYTES > 0:   # gate and up rows of slot pid_m's expert
+        offs_pf = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        e_pf = tl.load(ids_ptr + pid_m * stride_ik)
+        prefetch_weight_rows(w_ptr, e_pf, n_experts, offs_pf, offs_pf < I, stride_we, stride_wn,
+                             PREFETCH_BYTES)
+        prefetch_weight_rows(w_ptr, e_pf, n_experts, offs_pf + I, offs_pf < I, stride_we,
+                             stride_wn, PREFETCH_BYTES)
     if USE_PDL:
         gdc_wait()
+        if PDL_EARLY:
+            gdc_launch_dependents()
     if not DIRECT:
         num_rows = tl.load(num_rows_ptr)
         if pid_m * BLOCK_M >= num_rows:
             return
+    if HALF_TAIL and not DIRECT:
+        if half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M):
+            gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+                          n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
+                          stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
+                          DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
+                          DIRECT, USE_PDL and not PDL_EARLY, TMA_PAIR, BLOCK_M // 2)
+        else:
+            gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+                          n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
+                          stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
+                          DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
+                          DIRECT, USE_PDL and not PDL_EARLY, TMA_PAIR, BLOCK_M)
+    else:
+        gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+                      n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
+                      stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
+                      DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
+                      DIRECT, USE_PDL and not PDL_EARLY, TMA_PAIR, BLOCK_M)
+
+
+@triton.jit
+def gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+                  n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+                  stride_am, z_ptr, stride_z, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr,
+                  w_desc, USE_TMA: tl.constexpr, ids_ptr, stride_ik, n_experts,
+                  DIRECT: tl.constexpr, PDL_LATE: tl.constexpr, TMA_PAIR: tl.constexpr,
+                  TILE_M: tl.constexpr):
+    """gate_up_kernel's work on the first TILE_M rows of row block pid_m."""
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
-                                          stride_ik, n_experts, BLOCK_M, DIRECT)
+                                          stride_ik, n_experts, BLOCK_M, DIRECT, TILE_M)
     tok = tl.where(row_valid, slots // top_k, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     acc_g, acc_u = gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
                                 stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                                BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, w_desc, USE_TMA,
+                                TILE_M, BLOCK_N, BLOCK_K, DOT_PRECISION, w_desc, USE_TMA,
                                 TMA_PAIR)
-    if USE_PDL:
+    if PDL_LATE:
         gdc_launch_dependents()
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     rows64 = rows.to(tl.int64)
@@ -160,19 +233,61 @@ def down_kernel(
     DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr = True, w_desc=None,
     TMA_LAYOUT: tl.constexpr = 0, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
+    PREFETCH_BYTES: tl.constexpr = 0,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
-    contiguous, block [1, BLOCK_K, BLOCK_N]; w2 for dA, w13 for dx)."""
+    contiguous, block [1, BLOCK_K, BLOCK_N]; w2 for dA, w13 for dx). PREFETCH_BYTES needs
+    W_e's rows n contiguous along k (the forward's w2)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
+    if PREFETCH_BYTES > 0:
+        if DIRECT:
+            e_pf = tl.load(ids_ptr + pid_m * stride_ik)
+        else:   # -1 past the used blocks: nothing to fetch
+            e_pf = tl.load(block_expert_ptr + pid_m)
+        offs_pf = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        prefetch_weight_rows(w_ptr, e_pf, n_experts, offs_pf, (offs_pf < H) & (e_pf >= 0),
+                             stride_we, stride_wn, PREFETCH_BYTES)
     if USE_PDL:
         gdc_wait()
+        if PDL_EARLY:
+            gdc_launch_dependents()
     if not DIRECT:
         num_rows = tl.load(num_rows_ptr)
         if pid_m * BLOCK_M >= num_rows:
             return
+    if HALF_TAIL and not DIRECT:
+        if half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M):
+            down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
+                       pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
+                       stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
+                       DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
+                       n_experts, DIRECT, USE_PDL and not PDL_EARLY, BLOCK_M // 2)
+        else:
+            down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
+                       pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
+                       stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
+                       DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
+                       n_experts, DIRECT, USE_PDL and not PDL_EARLY, BLOCK_M)
+    else:
+        down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
+                   pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
+                   stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
+                   DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
+                   n_experts, DIRECT, USE_PDL and not PDL_EARLY, BLOCK_M)
+
+
+@triton.jit
+def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+               n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk, stride_tw_t,
+               stride_tw_k, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+               w_desc, TMA_LAYOUT: tl.constexpr, ids_ptr, stride_ik, n_experts,
+               DIRECT: tl.constexpr, PDL_LATE: tl.constexpr, TILE_M: tl.constexpr):
+    """down_kernel's work on the first TILE_M rows of row block pid_m."""
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
-                                          stride_ik, n_experts, BLOCK_M, DIRECT)
+                                          stride_ik, n_experts, BLOCK_M, DIRECT, TILE_M)
     rows64 = rows.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -180,7 +295,7 @@ def down_kernel(
     a_ptrs = act_ptr + rows64[:, None] * stride_am + offs_k[None, :]
     b_ptrs = (w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
               + offs_k[:, None] * stride_wk)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc = tl.zeros((TILE_M, BLOCK_N), tl.float32)
     n0 = pid_n * BLOCK_N
     e32 = e.to(tl.int32)
     for k0 in range(0, I, BLOCK_K):
@@ -195,7 +310,7 @@ def down_kernel(
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wk
-    if USE_PDL:
+    if PDL_LATE:
         gdc_launch_dependents()
     slots64 = slots.to(tl.int64)
     if HAS_WEIGHTS:

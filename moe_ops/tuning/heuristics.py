@@ -23,6 +23,9 @@ class DispatchConfig:
     fuse_combine: bool = False  # T == 1 with direct rows: the combine folded into the down GEMM
     pdl: bool = False  # programmatic dependent launch of the forward's kernels (sm_90+)
     tma_pair: bool = False  # with tma: gate and up weight tiles in one copy, one product
+    half_tail: bool = False  # tail row blocks (<= block_m/2 valid rows) on a half-height tile
+    pdl_early: bool = False  # with pdl: each kernel lets its successor launch right after its wait
+    prefetch: int = 0  # bytes per weight row prefetched into L2 before the PDL wait (0: off)
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -150,6 +153,18 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
         cands["fused n32 k256" if fc else "n32 k256"] = r(base, fuse_combine=True,
                                                            block_n2=32, block_k2=256)
     cands["no pdl" if base.pdl else "pdl"] = r(base, pdl=not base.pdl)
+    if base.pdl:
+        # Successor launched at once, its weights prefetched into L2 while it waits.
+        cands["no pdl early" if base.pdl_early else "pdl early"] = r(base,
+                                                                     pdl_early=not base.pdl_early)
+        for name, nbytes in (("prefetch 2k", 2048), ("prefetch 8k", 8192),
+                             ("prefetch rows", 1 << 20)):
+            cands[name] = r(base, pdl_early=True, prefetch=nbytes)
+        if base.prefetch:
+            cands["no prefetch"] = r(base, prefetch=0)
+    if base.block_m >= 64:
+        cands["no half tail" if base.half_tail else "half tail"] = r(base,
+                                                                     half_tail=not base.half_tail)
     if base.tma:
         cands["tma unpaired" if base.tma_pair else "tma pair"] = r(base, tma_pair=not base.tma_pair)
     if base.block_m == 128:

@@ -584,6 +584,87 @@ def test_direct_rows_one_token(interpreter, monkeypatch, routing, K):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_half_tail_tiles(interpreter, monkeypatch, dtype):
+    """DispatchConfig.half_tail: a row block whose valid rows all fit its first half runs a
+    half-height tile. Counts per expert chosen so that both kinds of block occur: 40 rows (a full
+    block of 32, then a tail of 8: half), 20 (one block, more than half: full), 16 (exactly half:
+    half), 0, and ids < 0. Output, saved z and the backward (whose recompute mode runs gate_up
+    again) match float64 and the full-tile path bitwise, with NaN-poisoned scratch."""
+    import dataclasses
+
+    from moe_ops.launch.alignment import align_triton
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    T, H, I, E, K = 40, 24, 40, 5, 2
+    args, _ = _inputs(T, H, I, E, K, routing="uniform", seed=seed, dtype=dtype)
+    counts = {0: 40, 1: 20, 2: 16, 4: 3}   # expert 3 empty, 1 slot dropped
+    flat = torch.cat([torch.full((n,), e) for e, n in counts.items()] + [torch.tensor([-1])])
+    ids = flat[torch.randperm(T * K, generator=g)].view(T, K).to(torch.int32)
+    args = (*args[:4], ids)
+    base = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", dtype), block_m=32)
+    al = align_triton(ids, E, 32)
+    sorted_slots = al.sorted_slots[: int(al.num_rows)].view(-1, 32)
+    half = (sorted_slots[:, 16] >= T * K).tolist()
+    assert True in half and False in half, half
+    go = torch.randn(T, H, generator=g).to(dtype)
+    outs = {}
+    for ht in (False, True):
+        cfg = dataclasses.replace(base, half_tail=ht)
+        _poison_empty(monkeypatch)
+        out, z = dispatch_triton(*args, config=cfg, save_z=True)
+        grads = dispatch_backward_triton(go, *args, z=None, config=cfg,
+                                         bwd_config=backward_config(cfg, "cpu", dtype))
+        monkeypatch.undo()
+        outs[ht] = (out, z, grads)
+        tol = RTOL[dtype]
+        assert rel_err(out, _dense_float64(*_double(args))) <= tol, (seed, ht)
+        assert _z_err(z, args) <= tol, (seed, ht)
+        ref = dispatch_backward_reference(go.double(), *_double(args))
+        for name, a, r in zip(NAMES, grads, ref):
+            assert rel_err(a, r) <= GRAD_TOL[dtype], (seed, ht, name)
+    assert torch.equal(outs[True][0], outs[False][0]), seed
+    for a, b in zip(outs[True][2], outs[False][2]):
+        assert torch.equal(a, b), seed
+
+
+@needs_interpreter
+@pytest.mark.parametrize("routing", ["uniform", "negative", "mixed"])
+@pytest.mark.parametrize("K,H,block_n", [(1, 24, 16), (2, 70, 32), (8, 33, 16), (5, 16, 16)])
+def test_combine_last_one_token(interpreter, monkeypatch, routing, K, H, block_n):
+    """DispatchConfig.combine_last at T == 1: the last down program of each H tile sums the K
+    rows (counters zeroed by gate_up). Bitwise equal to the separate combine kernel and within
+    float32 rounding of float64, with NaN-poisoned scratch and outputs, ids < 0 included, H
+    tiles 1 to 5; the counters never depend on an earlier call (two calls in a row)."""
+    import dataclasses
+
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.tuning.heuristics import dispatch_config
+
+    seed = fresh_seed()
+    E, I = 9, 37
+    args, _ = _inputs(1, H, I, E, K, routing=routing, seed=seed)
+    base = dataclasses.replace(dispatch_config(1, E, K, H, I, "cpu", torch.float32), direct=True,
+                               block_n2=block_n)
+    ref = _dense_float64(*_double(args))
+    got = {}
+    for cl in (False, True, True):
+        _poison_empty(monkeypatch)
+        out = torch.full((1, H), float("nan"))
+        dispatch_triton(*args, config=dataclasses.replace(base, combine_last=cl), out=out)
+        monkeypatch.undo()
+        assert rel_err(out, ref) <= 1e-5, (seed, cl)
+        if cl in got:
+            assert torch.equal(out, got[cl]), seed
+        got[cl] = out
+    assert torch.equal(got[True], got[False]), seed
+
+
+@needs_interpreter
 @pytest.mark.parametrize("routing", ["uniform", "negative"])
 @pytest.mark.parametrize("K,H,I,block_n,block_k", [(1, 24, 40, 16, 32), (2, 17, 11, 16, 16),
                                                    (4, 33, 70, 32, 32), (16, 40, 72, 16, 64),

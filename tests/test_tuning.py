@@ -40,6 +40,7 @@ class TestTableFormat(TestCase):
      "block_m": 16,
      "block_n1": 64,
      "block_n2": 64,
+     "combine_last": false,
      "direct": false,
      "fuse_combine": false,
      "group_m": 8,
@@ -47,8 +48,6 @@ class TestTableFormat(TestCase):
      "num_stages": 4,
      "num_warps": 4,
      "pdl": false,
-     "pdl_early": false,
-     "prefetch": 0,
      "tma": false,
      "tma_pair": false
     }
@@ -134,6 +133,9 @@ def test_heuristic_path_switches():
     assert cfg(2048, mixtral).num_stages == 4 and cfg(8192, mixtral).num_stages == 3
     assert cfg(8192, deepseek).block_n2 == 256 and cfg(2048, deepseek).block_n2 == 128
     assert cfg(8192, qwen3).block_n2 == 128 and cfg(512, mixtral).block_n2 == 256
+    # half-height tail tiles wherever the row block is 128 (entry 18), never below
+    assert cfg(2048, qwen3).half_tail and cfg(8192, deepseek).half_tail
+    assert not cfg(512, qwen3).half_tail and not cfg(1, qwen3).half_tail
     # interpreter configs never use the GPU-only paths
     cpu = heuristic_config(1, 8, 2, 64, 32, "cpu", f32)
     assert not (cpu.tma or cpu.pdl or cpu.fuse_combine)

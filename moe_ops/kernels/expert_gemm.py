@@ -12,15 +12,7 @@ combine_kernel: out[t] = sum over k in order 0..K-1 of y[t*K + k] for valid ids:
 Row blocks at or past the device-side num_rows exit at once (the grid is sized from shapes).
 USE_PDL (programmatic dependent launch, launched with launch_pdl=True): the kernel may start while
 its predecessor is finishing; it waits for it (gdc_wait) before its first memory access and lets
-its own successor start launching once its main loop is done (gdc_launch_dependents), or at once
-after its wait with PDL_EARLY (the successor's programs then sit resident, waiting, while this
-kernel runs: that is what lets them prefetch).
-PREFETCH_BYTES (sm_90+, the down GEMM and the T == 1 gate+up): before its wait each program asks
-L2 for the first PREFETCH_BYTES of every weight row of its tile (cp.async.bulk.prefetch, a hint
-with no completion and no register use), so its weights stream in while the kernel before it is
-finishing. The expert id it reads there was written two kernels back (alignment or router: done,
-because the kernel in between waited for it before letting this one launch) and is clamped to
-[0, E), so a prefetch never leaves the weight tensor and cannot change a result.
+its own successor start launching once its main loop is done (gdc_launch_dependents).
 HALF_TAIL (BLOCK_M 128): a row block whose second half is all padding (the tail block of an
 expert: valid rows come first) runs a BLOCK_M/2-row tile, halving the tensor-core work of the
 blocks that hold an expert's last few rows."""
@@ -40,20 +32,6 @@ def grouped_tile(pid, n_row_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.conste
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
     return pid_m, pid_n
-
-
-@triton.jit
-def prefetch_weight_rows(w_ptr, e, n_experts, offs_n, n_mask, stride_we, stride_wn,
-                         NBYTES: tl.constexpr):
-    """Ask L2 for the first NBYTES (a multiple of 16; 16-byte aligned rows) of rows offs_n of
-    expert e's weight (rows contiguous). Only a hint: nothing waits for it."""
-    e = tl.minimum(tl.maximum(e.to(tl.int64), 0), n_experts - 1)
-    addr = (w_ptr + e * stride_we + offs_n.to(tl.int64) * stride_wn).to(tl.int64, bitcast=True)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; "
-        "mov.u32 $0, 0; }",
-        "=r,l,r,r", [addr, n_mask.to(tl.int32), tl.full(offs_n.shape, NBYTES, tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -152,21 +130,16 @@ def gate_up_kernel(
     DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr = False, w_desc=None,
     USE_TMA: tl.constexpr = False, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False, TMA_PAIR: tl.constexpr = False,
-    HALF_TAIL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
-    PREFETCH_BYTES: tl.constexpr = 0,
+    HALF_TAIL: tl.constexpr = False, counters_ptr=None, n_counters=0,
+    BLOCK_C: tl.constexpr = 0,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
-    if DIRECT and PREFETCH_BYTES > 0:   # gate and up rows of slot pid_m's expert
-        offs_pf = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        e_pf = tl.load(ids_ptr + pid_m * stride_ik)
-        prefetch_weight_rows(w_ptr, e_pf, n_experts, offs_pf, offs_pf < I, stride_we, stride_wn,
-                             PREFETCH_BYTES)
-        prefetch_weight_rows(w_ptr, e_pf, n_experts, offs_pf + I, offs_pf < I, stride_we,
-                             stride_wn, PREFETCH_BYTES)
     if USE_PDL:
         gdc_wait()
-        if PDL_EARLY:
-            gdc_launch_dependents()
+    if BLOCK_C > 0:   # the down kernel's combine counters (T == 1), zeroed after the wait
+        if tl.program_id(0) == 0:
+            offs_c = tl.arange(0, BLOCK_C)
+            tl.store(counters_ptr + offs_c, tl.zeros((BLOCK_C,), tl.int32), mask=offs_c < n_counters)
     if not DIRECT:
         num_rows = tl.load(num_rows_ptr)
         if pid_m * BLOCK_M >= num_rows:
@@ -177,19 +150,19 @@ def gate_up_kernel(
                           n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
                           stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
                           DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
-                          DIRECT, USE_PDL and not PDL_EARLY, TMA_PAIR, BLOCK_M // 2)
+                          DIRECT, USE_PDL, TMA_PAIR, BLOCK_M // 2)
         else:
             gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                           n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
                           stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
                           DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
-                          DIRECT, USE_PDL and not PDL_EARLY, TMA_PAIR, BLOCK_M)
+                          DIRECT, USE_PDL, TMA_PAIR, BLOCK_M)
     else:
         gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                       n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
                       stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
                       DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
-                      DIRECT, USE_PDL and not PDL_EARLY, TMA_PAIR, BLOCK_M)
+                      DIRECT, USE_PDL, TMA_PAIR, BLOCK_M)
 
 
 @triton.jit
@@ -233,26 +206,20 @@ def down_kernel(
     DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr = True, w_desc=None,
     TMA_LAYOUT: tl.constexpr = 0, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    HALF_TAIL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
-    PREFETCH_BYTES: tl.constexpr = 0,
+    HALF_TAIL: tl.constexpr = False, counters_ptr=None, out_ptr=None, stride_oh=0,
+    COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
-    contiguous, block [1, BLOCK_K, BLOCK_N]; w2 for dA, w13 for dx). PREFETCH_BYTES needs
-    W_e's rows n contiguous along k (the forward's w2)."""
+    contiguous, block [1, BLOCK_K, BLOCK_N]; w2 for dA, w13 for dx).
+    COMBINE_K = K > 0 (T == 1 with direct rows): the combine happens here. Each of the K
+    programs of an H tile stores its slot's row, then counts itself in counters[pid_n] (zeroed by
+    this call's gate_up kernel); the one that counts last sums the K rows in order 0..K-1 in
+    float32 into out, exactly as combine_kernel does (bitwise the same result, whichever program
+    is last)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
-    if PREFETCH_BYTES > 0:
-        if DIRECT:
-            e_pf = tl.load(ids_ptr + pid_m * stride_ik)
-        else:   # -1 past the used blocks: nothing to fetch
-            e_pf = tl.load(block_expert_ptr + pid_m)
-        offs_pf = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        prefetch_weight_rows(w_ptr, e_pf, n_experts, offs_pf, (offs_pf < H) & (e_pf >= 0),
-                             stride_we, stride_wn, PREFETCH_BYTES)
     if USE_PDL:
         gdc_wait()
-        if PDL_EARLY:
-            gdc_launch_dependents()
     if not DIRECT:
         num_rows = tl.load(num_rows_ptr)
         if pid_m * BLOCK_M >= num_rows:
@@ -263,19 +230,48 @@ def down_kernel(
                        pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                        stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                        DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                       n_experts, DIRECT, USE_PDL and not PDL_EARLY, BLOCK_M // 2)
+                       n_experts, DIRECT, USE_PDL, BLOCK_M // 2)
         else:
             down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
                        pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                        stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                        DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                       n_experts, DIRECT, USE_PDL and not PDL_EARLY, BLOCK_M)
+                       n_experts, DIRECT, USE_PDL, BLOCK_M)
     else:
         down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                   n_experts, DIRECT, USE_PDL and not PDL_EARLY, BLOCK_M)
+                   n_experts, DIRECT, USE_PDL, BLOCK_M)
+    if COMBINE_K > 0:
+        combine_last(y_ptr, ids_ptr, counters_ptr, out_ptr, pid_n, H, n_experts, stride_ik,
+                     stride_ym, stride_oh, BLOCK_N, COMBINE_K, FENCE)
+
+
+@triton.jit
+def combine_last(y_ptr, ids_ptr, counters_ptr, out_ptr, pid_n, H, n_experts, stride_ik, stride_ym,
+                 stride_oh, BLOCK_N: tl.constexpr, TOP_K: tl.constexpr, FENCE: tl.constexpr):
+    """The single token's combine for H tile pid_n, done by the last of its TOP_K down programs.
+    Every thread fences its row stores at GPU scope (FENCE: compiled code; the interpreter runs
+    programs one after another), the barrier orders them before the count (one acq_rel atomic at
+    GPU scope), and the last program reads the rows through L2 (.cg), never a stale L1 line."""
+    if FENCE:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r",
+                                  [tl.full((1,), 0, tl.int32)], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    tl.debug_barrier()
+    seen = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if seen == TOP_K - 1:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < H
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+        for k in tl.static_range(TOP_K):
+            e = tl.load(ids_ptr + k * stride_ik + offs_n * 0)   # slot k's id, per column
+            valid = n_mask & (e >= 0) & (e < n_experts)
+            y = tl.load(y_ptr + k * stride_ym + offs_n, mask=valid, other=0.0,
+                        cache_modifier=".cg")
+            acc += y.to(tl.float32)
+        tl.store(out_ptr + offs_n * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit

@@ -40,26 +40,34 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     n_slots = T * K
     act = torch.empty(al.max_rows, I, dtype=hidden.dtype, device=dev)
     z = torch.empty(T * K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else None
-    gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl, prefetch=True)
-    if isinstance(al, DirectRows) and cfg.fuse_combine and K <= cfg.block_m:
+    direct = isinstance(al, DirectRows)
+    if direct and cfg.fuse_combine and K <= cfg.block_m:
+        gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl)
         down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg)
         return (out, z) if save_z else out
+    # One token, combine_last: the down kernel's last program per H tile does the combine, with
+    # counters that this call's gate_up kernel zeroes (no combine launch).
+    counters = None
+    if direct and cfg.combine_last and K <= 32:
+        counters = torch.empty(cdiv(H, cfg.block_n2), dtype=torch.int32, device=dev)
+    gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl, counters=counters)
     # Per-slot expert outputs (routing weight applied, rounded once to the input dtype, as vLLM
     # does; float32 for float32 inputs); the combine sums them in float32 in a fixed order.
     y = torch.empty(n_slots, H, dtype=hidden.dtype, device=dev)
     rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, H, I, n_slots, K,
                      cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, cfg.group_m,
                      weights=topk_weights, tma=cfg.tma, pdl=cfg.pdl, half_tail=cfg.half_tail,
-                     pdl_early=cfg.pdl_early, prefetch=cfg.prefetch)
-    combine_triton(y, topk_ids, out, E, pdl=cfg.pdl)
+                     combine=None if counters is None else (counters, out, topk_ids))
+    if counters is None:
+        combine_triton(y, topk_ids, out, E, pdl=cfg.pdl)
     return (out, z) if save_z else out
 
 
-def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False, prefetch=False):
+def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False, counters=None):
     """act[row] = SwiGLU(W13_e x_t) over the aligned rows (gathering token rows through the slot
-    table); with `z` ([T*K, 2I]) also the pre-activation per slot. `pdl` turns on the config's
-    programmatic-dependent-launch settings, `prefetch` its L2 weight prefetch (direct rows only:
-    elsewhere the expert of a row block is not known before the kernel's wait)."""
+    table); with `z` ([T*K, 2I]) also the pre-activation per slot. `counters` (int32): zeroed
+    for the down kernel's combine_last (after the PDL wait: the buffer may be memory that the
+    kernel before was still using)."""
     H = hidden.shape[1]
     I = act.shape[1]
     n_blocks = al.max_rows // cfg.block_m
@@ -73,7 +81,8 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
     if cfg.tma and w_desc is None:
         w_desc = weight_desc(w13, [1, cfg.block_n1, cfg.block_k1])
     direct = _direct_args(al, w13.shape[0])
-    pf = _prefetch_bytes(w13, H, cfg.prefetch) if prefetch and direct else 0
+    cnt = {} if counters is None else dict(counters_ptr=counters, n_counters=counters.numel(),
+                                           BLOCK_C=next_pow2(counters.numel()))
     kernel_for(gate_up_kernel, hidden.device)[(n_blocks * cdiv(I, cfg.block_n1),)](
         hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, top_k,
@@ -82,23 +91,22 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
         DOT_PRECISION=_dot_precision(hidden.dtype), SAVE_Z=z is not None,
         w_desc=w_desc, USE_TMA=w_desc is not None, TMA_PAIR=pair, **direct,
-        HALF_TAIL=_half_tail(cfg.half_tail, al), PREFETCH_BYTES=pf,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_pdl_args(pdl, hidden.device, cfg.pdl_early),
+        HALF_TAIL=_half_tail(cfg.half_tail, al), **cnt,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_args(pdl, hidden.device),
     )
 
 
 def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
                      num_warps, num_stages, group_m=8, weights=None, tma=False, pdl=False,
-                     half_tail=False, pdl_early=False, prefetch=0):
+                     half_tail=False, combine=None):
     """y[slot] = (weights[slot] *) a[row] @ W_e^T ([N]) for the aligned rows: `a` is contiguous in
     aligned-row order ([max_rows, K_red]); W_e[n, k] = w[e*w_strides[0] + n*w_strides[1] +
     k*w_strides[2]] (any layout); y is per slot ([T*K, N], rows of ids < 0 unwritten). The
     forward's down GEMM, and in the backward dA = dO W2_e and dx = dz W13_e. With `tma`, W_e's
     tiles come through a tensor descriptor of `w` when its layout allows one ([E, N, K] or
     [E, K, N] storage with 16-byte aligned rows). `half_tail`: tail row blocks with at most
-    block_m/2 valid rows run a half-height tile. `prefetch` (bytes per weight row; [E, N, K]
-    storage only): an L2 prefetch of W_e's rows before the kernel's PDL wait."""
+    block_m/2 valid rows run a half-height tile. `combine` = (counters, out, topk_ids), direct
+    rows only: the last program per N tile also sums the K rows into out ([1, N])."""
     bm = al.block_m
     n_blocks = al.max_rows // bm
     tw = weights if weights is not None else y
@@ -110,11 +118,13 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     if w_desc is None:
         layout = 0
     direct = _direct_args(al, w.shape[0])
-    pf = 0
-    if prefetch and tuple(w_strides) == tuple(w.stride()):
-        pf = _prefetch_bytes(w, K_red, prefetch)
-    if pf and not direct:
-        direct = dict(n_experts=w.shape[0])   # the prefetch clamps the expert id
+    comb = {}
+    if combine is not None:
+        if not direct:
+            raise ValueError("the folded combine needs direct rows (T == 1)")
+        counters, out, ids = combine
+        comb = dict(counters_ptr=counters, out_ptr=out, stride_oh=out.stride(1),
+                    COMBINE_K=ids.shape[1], FENCE=a.device.type == "cuda")
     kernel_for(down_kernel, a.device)[(n_blocks * cdiv(N, block_n),)](
         a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, N, K_red, top_k,
@@ -123,8 +133,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
         w_desc=w_desc, TMA_LAYOUT=layout, **direct, HALF_TAIL=_half_tail(half_tail, al),
-        PREFETCH_BYTES=pf, num_warps=num_warps, num_stages=num_stages,
-        **_pdl_args(pdl, a.device, pdl_early),
+        **comb, num_warps=num_warps, num_stages=num_stages, **_pdl_args(pdl, a.device),
     )
 
 
@@ -177,14 +186,11 @@ class DirectRows:
     block_expert = num_rows = sorted_slots
 
 
-def _pdl_args(pdl: bool, device: torch.device, early: bool = False) -> dict:
+def _pdl_args(pdl: bool, device: torch.device) -> dict:
     """Launch options of a kernel with programmatic dependent launch (Hopper and later; off in the
-    interpreter, which cannot run the grid-dependency instructions). `early`: the kernel lets its
-    successor launch right after its own wait instead of after its main loop."""
+    interpreter, which cannot run the grid-dependency instructions)."""
     if not pdl or device.type != "cuda" or not _sm90(device):
         return {}
-    if early:
-        return dict(USE_PDL=True, PDL_EARLY=True, launch_pdl=True)
     return dict(USE_PDL=True, launch_pdl=True)
 
 
@@ -192,18 +198,6 @@ def _half_tail(enabled: bool, al) -> bool:
     """Half-height tiles for tail row blocks: aligned rows only, and blocks of >= 32 rows."""
     return bool(enabled) and not isinstance(al, DirectRows) and al.block_m >= 32
 
-
-def _prefetch_bytes(w, row_elems: int, cap: int) -> int:
-    """Bytes per weight row for the kernels' L2 prefetch (a multiple of 16, at most `cap` and
-    the row), or 0: off, not a CUDA sm_90+ tensor (the bulk prefetch is a Hopper instruction;
-    the interpreter cannot run inline PTX), or rows that are not contiguous and 16-byte
-    aligned."""
-    if cap <= 0 or not w.is_cuda or not _sm90(w.device):
-        return 0
-    es = w.element_size()
-    if w.stride(-1) != 1 or w.data_ptr() % 16 or any(st * es % 16 for st in w.stride()[:-1]):
-        return 0
-    return min(cap, row_elems * es) // 16 * 16
 
 
 @functools.lru_cache(maxsize=None)

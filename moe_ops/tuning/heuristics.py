@@ -24,8 +24,7 @@ class DispatchConfig:
     pdl: bool = False  # programmatic dependent launch of the forward's kernels (sm_90+)
     tma_pair: bool = False  # with tma: gate and up weight tiles in one copy, one product
     half_tail: bool = False  # tail row blocks (<= block_m/2 valid rows) on a half-height tile
-    pdl_early: bool = False  # with pdl: each kernel lets its successor launch right after its wait
-    prefetch: int = 0  # bytes per weight row prefetched into L2 before the PDL wait (0: off)
+    combine_last: bool = False  # T == 1, direct rows: the down kernel's last program combines
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -79,7 +78,10 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
         # Also on wide H with >= 256 rows per expert (entry 16: DeepSeek-V3 T=8192 13383 ->
         # 13018 us with TMA, 14695 -> 14096 without).
         n2 = 256 if I >= 8192 or (H >= 4096 and rows_per_expert >= 256) else 128
-        cfg = DispatchConfig(block_m, 128, 64, n2, 64, 8, 4 if T <= 4096 else 3)
+        # Tail row blocks with <= 64 valid rows on a 64-row tile (NOTES.md, entry 18: 0.5-4%
+        # in each of 8 prefill cells, e.g. OLMoE T=2048 561 -> 537 us, Qwen3 T=8192 1483 ->
+        # 1445).
+        cfg = DispatchConfig(block_m, 128, 64, n2, 64, 8, 4 if T <= 4096 else 3, half_tail=True)
     if wide:
         # float32 tiles take twice the shared memory per stage.
         cfg = replace(cfg, block_k1=32, block_k2=32, num_stages=3)
@@ -153,15 +155,9 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
         cands["fused n32 k256" if fc else "n32 k256"] = r(base, fuse_combine=True,
                                                            block_n2=32, block_k2=256)
     cands["no pdl" if base.pdl else "pdl"] = r(base, pdl=not base.pdl)
-    if base.pdl:
-        # Successor launched at once, its weights prefetched into L2 while it waits.
-        cands["no pdl early" if base.pdl_early else "pdl early"] = r(base,
-                                                                     pdl_early=not base.pdl_early)
-        for name, nbytes in (("prefetch 2k", 2048), ("prefetch 8k", 8192),
-                             ("prefetch rows", 1 << 20)):
-            cands[name] = r(base, pdl_early=True, prefetch=nbytes)
-        if base.prefetch:
-            cands["no prefetch"] = r(base, prefetch=0)
+    if base.direct and not base.fuse_combine:
+        cands["combine kernel" if base.combine_last else "combine last"] = r(
+            base, combine_last=not base.combine_last)
     if base.block_m >= 64:
         cands["no half tail" if base.half_tail else "half tail"] = r(base,
                                                                      half_tail=not base.half_tail)

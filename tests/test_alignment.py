@@ -48,6 +48,14 @@ def test_alignment_many_programs(interpreter):
     _check(ids, 256, 16)
     ids = torch.randint(0, 8, (4000, 2), dtype=torch.int64)
     _check(ids, 8, 128)
+    # 256 experts, 128-row blocks: each place program writes more than one group of table
+    # blocks (566 blocks over 64 programs, 8 per group); skewed so that many tail blocks and
+    # empty experts occur
+    g = torch.Generator().manual_seed(3)
+    hot = torch.randint(0, 256, (5000, 8), generator=g, dtype=torch.int32) % 40
+    ids = torch.where(torch.rand(5000, 8, generator=g) < 0.7, hot,
+                      torch.randint(-1, 256, (5000, 8), generator=g, dtype=torch.int32))
+    _check(ids, 256, 128)
 
 
 @needs_interpreter

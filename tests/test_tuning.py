@@ -128,6 +128,10 @@ def test_heuristic_path_switches():
     assert cfg(1, deepseek).fuse_combine and cfg(1, deepseek).block_n2 == 32
     assert not cfg(1, qwen3).fuse_combine and not cfg(1, mixtral).fuse_combine
     assert not cfg(8, deepseek).fuse_combine
+    # elsewhere at T == 1 the down kernel's last program does the combine
+    assert cfg(1, qwen3).combine_last and cfg(1, mixtral).combine_last
+    assert cfg(1, qwen3, f32).combine_last
+    assert not cfg(1, deepseek).combine_last and not cfg(8, qwen3).combine_last
     # 4 stages at BLOCK_M 128 up to T=4096, 3 above; 256-wide down tiles on long I or wide H
     # with >= 256 rows per expert
     assert cfg(2048, mixtral).num_stages == 4 and cfg(8192, mixtral).num_stages == 3

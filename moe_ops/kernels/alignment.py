@@ -1,11 +1,15 @@
 """Alignment: token slots sorted by expert into blocks of BLOCK_M rows, on the GPU, no atomics.
 
-One launch (scan_kernel, FUSED) when all slots fit one tile; otherwise three launches over P
-programs (each owning a contiguous span of slots, walked in CHUNK pieces): count (per-program expert histogram), scan (one program: prefix sums -> per-expert padded starts,
-per-program bases, block -> expert table, padding sentinels, the padded row count), scatter
-(each slot's row = its program's base for its expert + its rank among earlier slots of that expert
-in the span). Ranks come from a one-hot cumulative sum, so the order within an expert is the slot
-order and the result is the same on every run. Layout: moe_ops/reference/alignment.py."""
+One launch (scan_kernel, FUSED) when all slots fit one tile; otherwise two launches over P
+programs (each owning a contiguous span of slots, walked in CHUNK pieces): count (per-program
+expert histogram), then place: every program reads the whole [P, E] histogram (from L2), derives
+the per-expert padded starts and its own per-expert bases, scatters its span (each slot's row =
+its base for its expert + its rank among earlier slots of that expert in the span) and writes its
+share of the block -> expert table and of the padding sentinels (program 0 also the padded row
+count and the expert ends). Ranks come from a one-hot cumulative sum, so the order within an
+expert is the slot order and the result is the same on every run. Layout:
+moe_ops/reference/alignment.py. (A one-program scan between count and scatter, with the
+sentinels in a BLOCK_M-step loop, took 26-59 us at T = 2048-8192: NOTES.md, entry 18.)"""
 import triton
 import triton.language as tl
 
@@ -28,62 +32,71 @@ def count_kernel(ids_ptr, counts_ptr, n_slots, span, E,
 
 
 @triton.jit
-def scan_kernel(ids_ptr, counts_ptr, bases_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
-                expert_ends_ptr, n_programs, n_slots, n_blocks, E,
-                BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_B: tl.constexpr, FUSED: tl.constexpr):
-    """FUSED (every slot fits one [BLOCK_P, E] tile, decode sizes): the whole alignment in this
-    one launch, slots read from ids_ptr. Otherwise: prefix sums over the count pass's
-    [n_programs, E] histogram, writing each program's per-expert bases for the scatter pass."""
+def scan_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, expert_ends_ptr, n_slots,
+                n_blocks, E, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_B: tl.constexpr):
+    """Decode sizes (every slot fits one [BLOCK_P, E] tile): the whole alignment in one launch."""
     experts = tl.arange(0, BLOCK_E)
-    if FUSED:
-        offs = tl.arange(0, BLOCK_P)
-        m = offs < n_slots
-        ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
-        valid = m & (ids >= 0) & (ids < E)
-        onehot = ((ids[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)
-        totals = tl.sum(onehot, axis=0)
-    else:
-        progs = tl.arange(0, BLOCK_P)
-        pmask = progs < n_programs
-        counts = tl.load(counts_ptr + progs[:, None] * BLOCK_E + experts[None, :],
-                         mask=pmask[:, None], other=0)
-        totals = tl.sum(counts, axis=0)
+    offs = tl.arange(0, BLOCK_P)
+    m = offs < n_slots
+    ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
+    valid = m & (ids >= 0) & (ids < E)
+    onehot = ((ids[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)
+    totals = tl.sum(onehot, axis=0)
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     tl.store(expert_ends_ptr + experts, ends, mask=experts < E)
-    if FUSED:
-        rank = tl.cumsum(onehot, axis=0) - onehot
-        row = tl.sum((rank + starts[None, :]) * onehot, axis=1)
-        tl.store(sorted_ptr + row, offs, mask=valid)
-    else:
-        bases = starts[None, :] + tl.cumsum(counts, axis=0) - counts
-        tl.store(bases_ptr + progs[:, None] * BLOCK_E + experts[None, :], bases,
-                 mask=pmask[:, None])
+    rank = tl.cumsum(onehot, axis=0) - onehot
+    row = tl.sum((rank + starts[None, :]) * onehot, axis=1)
+    tl.store(sorted_ptr + row, offs, mask=valid)
     num_rows = tl.sum(padded, axis=0)
     tl.store(num_rows_ptr, num_rows)
-    # Padding rows of each expert get the sentinel n_slots.
-    for j in range(BLOCK_M - 1):
-        r = starts + totals + j
-        tl.store(sorted_ptr + r, n_slots, mask=(experts < E) & (totals + j < padded))
-    # Block b holds rows [b*BLOCK_M, (b+1)*BLOCK_M): its expert is the number of experts whose
-    # padded range ends at or before the block's first row (empty experts end where they start).
-    ends_valid = tl.where(experts < E, ends, 2147483647)
-    for b0 in range(0, n_blocks, BLOCK_B):
-        blocks = b0 + tl.arange(0, BLOCK_B)
-        first_row = blocks * BLOCK_M
-        e = tl.sum((ends_valid[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-        e = tl.where(first_row < num_rows, e, -1)
-        tl.store(block_expert_ptr + blocks, e, mask=blocks < n_blocks)
+    block_table(sorted_ptr, block_expert_ptr, starts + totals, ends, experts, num_rows, n_slots,
+                0, n_blocks, 1, E, BLOCK_M, BLOCK_E, BLOCK_B)
 
 
 @triton.jit
-def scatter_kernel(ids_ptr, bases_ptr, sorted_ptr, n_slots, span, E,
-                   CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+def block_table(sorted_ptr, block_expert_ptr, valid_ends, ends, experts, num_rows, n_slots,
+                first_block, n_blocks, block_step, E, BLOCK_M: tl.constexpr,
+                BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Blocks first_block, first_block + block_step*BLOCK_B, ... (in groups of BLOCK_B): each
+    block's expert (the number of experts whose padded range ends at or before the block's first
+    row; empty experts end where they start; -1 past num_rows) and the padding sentinel n_slots
+    in its rows at or past its expert's last valid row."""
+    ends_valid = tl.where(experts < E, ends, 2147483647)
+    for b0 in range(first_block * BLOCK_B, n_blocks, block_step * BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        first_row = blocks * BLOCK_M
+        live = first_row < num_rows
+        e = tl.sum((ends_valid[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.where(live, e, -1), mask=blocks < n_blocks)
+        vend = tl.sum(tl.where(experts[None, :] == e[:, None], valid_ends[None, :], 0), axis=1)
+        r = first_row[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        pad = live[:, None] & (r >= vend[:, None])
+        tl.store(sorted_ptr + r, tl.zeros((BLOCK_B, BLOCK_M), tl.int32) + n_slots, mask=pad)
+
+
+@triton.jit
+def place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+                 expert_ends_ptr, n_programs, n_slots, span, n_blocks, E,
+                 CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
     pid = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
-    base = tl.load(bases_ptr + pid * BLOCK_E + experts)
+    progs = tl.arange(0, BLOCK_P)
+    counts = tl.load(counts_ptr + progs[:, None] * BLOCK_E + experts[None, :],
+                     mask=(progs < n_programs)[:, None], other=0)
+    totals = tl.sum(counts, axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    num_rows = tl.sum(padded, axis=0)
+    if pid == 0:
+        tl.store(expert_ends_ptr + experts, ends, mask=experts < E)
+        tl.store(num_rows_ptr, num_rows)
+    # this program's span: rows from its bases (the slots of earlier programs come first)
+    base = starts + tl.sum(tl.where(progs[:, None] < pid, counts, 0), axis=0)
     start = pid.to(tl.int64) * span
     for c in range(0, span, CHUNK):
         offs = start + c + tl.arange(0, CHUNK)
@@ -95,3 +108,5 @@ def scatter_kernel(ids_ptr, bases_ptr, sorted_ptr, n_slots, span, E,
         row = tl.sum((rank + base[None, :]) * onehot, axis=1)
         tl.store(sorted_ptr + row, offs.to(tl.int32), mask=valid)
         base += tl.sum(onehot, axis=0)
+    block_table(sorted_ptr, block_expert_ptr, starts + totals, ends, experts, num_rows, n_slots,
+                pid, n_blocks, n_programs, E, BLOCK_M, BLOCK_E, BLOCK_B)

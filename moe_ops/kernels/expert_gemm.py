@@ -52,6 +52,8 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
     N=2*BLOCK_N product, as on the pointer path."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    # One branch per path (compile-time): code after a `return` under a constexpr `if` is
+    # still compiled, so the 3-offset TMA loads must not follow the 4-D pair descriptor.
     if USE_TMA and TMA_PAIR:
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
         n0 = pid_n * BLOCK_N
@@ -62,8 +64,8 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
             gu = tl.reshape(w_desc.load([e32, 0, n0, k0]), (2 * BLOCK_N, BLOCK_K))
             acc = tl.dot(a, tl.trans(gu), acc, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_xh
-        return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-    if USE_TMA:
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    elif USE_TMA:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         n0 = pid_n * BLOCK_N
@@ -76,22 +78,23 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
             acc_g = tl.dot(a, tl.trans(g_w), acc_g, input_precision=DOT_PRECISION)
             acc_u = tl.dot(a, tl.trans(u_w), acc_u, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_xh
-        return acc_g, acc_u
-    cols = tl.arange(0, 2 * BLOCK_N)
-    is_up = cols >= BLOCK_N
-    w_rows = pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N + I, cols)
-    w_mask = (pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N, cols)) < I
-    w_ptrs = (w_ptr + e * stride_we + w_rows[None, :].to(tl.int64) * stride_wn
-              + offs_k[:, None] * stride_wk)
-    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k_mask = offs_k < H - k0
-        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_mask[:, None] & w_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_xh
-        w_ptrs += BLOCK_K * stride_wk
-    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    else:
+        cols = tl.arange(0, 2 * BLOCK_N)
+        is_up = cols >= BLOCK_N
+        w_rows = pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N + I, cols)
+        w_mask = (pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N, cols)) < I
+        w_ptrs = (w_ptr + e * stride_we + w_rows[None, :].to(tl.int64) * stride_wn
+                  + offs_k[:, None] * stride_wk)
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_mask = offs_k < H - k0
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_mask[:, None] & w_mask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_xh
+            w_ptrs += BLOCK_K * stride_wk
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    return acc_g, acc_u
 
 
 @triton.jit

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
-from moe_ops.kernels.alignment import count_kernel, scan_kernel, scatter_kernel
+from moe_ops.kernels.alignment import count_kernel, place_kernel, scan_kernel
 from moe_ops.reference.alignment import max_padded_rows
 
-# Count/scatter programs walk their span in [CHUNK, E] one-hot tiles of about TILE_ELEMS
-# elements; there are at most SCAN_ELEMS / E of them so the one-program scan is one [P, E] tile.
+# Count/place programs walk their span in [CHUNK, E] one-hot tiles of about TILE_ELEMS
+# elements; there are at most SCAN_ELEMS / E of them so that each place program reads the whole
+# histogram as one [P, E] tile.
 TILE_ELEMS = 8192
 SCAN_ELEMS = 16384
 
@@ -49,21 +50,24 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
     expert_ends = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    block_b = max(16, min(256, 8192 // block_e))
     if n_programs == 1:   # decode sizes: one launch
         kernel_for(scan_kernel, dev)[(1,)](
-            ids, ids, ids, sorted_slots, block_expert, num_rows, expert_ends, 1, n_slots, n_blocks,
-            num_experts, BLOCK_M=block_m, BLOCK_P=next_pow2(n_slots),
-            BLOCK_E=block_e, BLOCK_B=block_b, FUSED=True, num_warps=4)
+            ids, sorted_slots, block_expert, num_rows, expert_ends, n_slots, n_blocks,
+            num_experts, BLOCK_M=block_m, BLOCK_P=next_pow2(n_slots), BLOCK_E=block_e,
+            BLOCK_B=_pow2_floor(min(64, 4096 // (block_e + block_m))), num_warps=4)
         return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m)
     counts = torch.empty(n_programs, block_e, dtype=torch.int32, device=dev)
-    bases = torch.empty_like(counts)
     kernel_for(count_kernel, dev)[(n_programs,)](
         ids, counts, n_slots, span, num_experts, CHUNK=chunk, BLOCK_E=block_e)
-    kernel_for(scan_kernel, dev)[(1,)](
-        ids, counts, bases, sorted_slots, block_expert, num_rows, expert_ends, n_programs, n_slots, n_blocks,
-        num_experts, BLOCK_M=block_m, BLOCK_P=next_pow2(n_programs),
-        BLOCK_E=block_e, BLOCK_B=block_b, FUSED=False, num_warps=4)
-    kernel_for(scatter_kernel, dev)[(n_programs,)](
-        ids, bases, sorted_slots, n_slots, span, num_experts, CHUNK=chunk, BLOCK_E=block_e)
+    # each place program owns about n_blocks / n_programs blocks of the table
+    block_b = min(next_pow2(cdiv(n_blocks, n_programs)), _pow2_floor(4096 // (block_e + block_m)))
+    kernel_for(place_kernel, dev)[(n_programs,)](
+        ids, counts, sorted_slots, block_expert, num_rows, expert_ends, n_programs, n_slots,
+        span, n_blocks, num_experts, CHUNK=chunk, BLOCK_M=block_m,
+        BLOCK_P=next_pow2(n_programs), BLOCK_E=block_e, BLOCK_B=block_b, num_warps=8)
     return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m)
+
+
+def _pow2_floor(n: int) -> int:
+    """Largest power of 2 <= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n.bit_length() - 1)

@@ -98,10 +98,14 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
     # into the down GEMM pays only where its grid (one program per 32 columns of H) still covers
     # the SMs at least 1.5 times over: DeepSeek-V3 T=1 183 -> 177 us; Qwen3/OLMoE (64 programs)
     # +6/+11%, Mixtral (128) +2% (entry 17).
+    # Elsewhere at T=1 the down kernel's last program per H tile does the combine (entry 18:
+    # Qwen3 34.5 -> 34.1 us, OLMoE 42.0 -> 41.2, Qwen3 zipf 35.7 -> 34.9, Mixtral unchanged).
     if T == 1:
         cfg = replace(cfg, direct=True)
         if not wide and H >= 32 * 198:
             cfg = replace(cfg, fuse_combine=True, block_n2=32, block_k2=256)
+        else:
+            cfg = replace(cfg, combine_last=True)
     return cfg
 
 

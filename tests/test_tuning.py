@@ -132,11 +132,15 @@ def test_heuristic_path_switches():
     assert cfg(1, qwen3).combine_last and cfg(1, mixtral).combine_last
     assert cfg(1, qwen3, f32).combine_last
     assert not cfg(1, deepseek).combine_last and not cfg(8, qwen3).combine_last
-    # 4 stages at BLOCK_M 128 up to T=4096, 3 above; 256-wide down tiles on long I or wide H
-    # with >= 256 rows per expert
+    # 4 stages at BLOCK_M 128 up to T=4096, 3 above; 256-wide down tiles at BLOCK_M 128 in
+    # 16-bit (entry 18), on long I or wide H with >= 256 rows per expert in float32
     assert cfg(2048, mixtral).num_stages == 4 and cfg(8192, mixtral).num_stages == 3
-    assert cfg(8192, deepseek).block_n2 == 256 and cfg(2048, deepseek).block_n2 == 128
-    assert cfg(8192, qwen3).block_n2 == 128 and cfg(512, mixtral).block_n2 == 256
+    assert cfg(8192, deepseek).block_n2 == 256 and cfg(2048, deepseek).block_n2 == 256
+    assert cfg(8192, qwen3).block_n2 == 256 and cfg(512, mixtral).block_n2 == 256
+    assert cfg(8192, qwen3, f32).block_n2 == 128 and cfg(512, qwen3).block_n2 == 128
+    # gate and up tiles in one TMA copy at BLOCK_M 128 (16-bit only: float32 has no TMA)
+    assert cfg(2048, qwen3).tma_pair and cfg(8192, mixtral).tma_pair
+    assert not cfg(512, qwen3).tma_pair and not cfg(8192, qwen3, f32).tma_pair
     # half-height tail tiles wherever the row block is 128 (entry 18), never below
     assert cfg(2048, qwen3).half_tail and cfg(8192, deepseek).half_tail
     assert not cfg(512, qwen3).half_tail and not cfg(1, qwen3).half_tail

@@ -90,6 +90,14 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
         # entry 16: Mixtral T=512/2048/8192 -4/-4/-6%, DeepSeek-V3 T=8192 -6%, 0 to -1.5% at
         # BLOCK_M <= 64.
         cfg = replace(cfg, tma=True)
+        if block_m == 128:
+            # Gate and up tiles in one TMA copy and one N=256 product, and 256-wide down tiles
+            # on every shape (entry 18, graph replay: the pair -0.5 to -6% in 10 of 11 prefill
+            # cells, Mixtral T=8192 9326 -> 8826 us, DeepSeek-V3 T=8192 12761 -> 11974; the
+            # 256-wide down tile -4 to -8% on the H = 2048 shapes at T <= 2048, e.g. Qwen3
+            # T=2048 489 -> 452, and DeepSeek-V3 T=2048 6047 -> 5749; Qwen3 T=8192 +1.7%,
+            # within the spread).
+            cfg = replace(cfg, tma_pair=True, block_n2=256)
     # Programmatic dependent launch (sm_90+; ignored elsewhere): each kernel's launch overlaps
     # its predecessor's tail (entry 17: Qwen3 T=1 36.5 -> 35.5 us, T=8 142.4 -> 140.6, OLMoE
     # T=1 43.5 -> 42.3; 0.3-1 us on the other cells measured).

@@ -30,6 +30,7 @@ def variants(base):
         "wg 128x128": r(base, wg_n=128),
         "da n128 w4": r(base, da_n=128, da_warps=4),
         "ew r8 i256": r(base, ew_r=8, ew_i=256),
+        "half tail": r(base, half_tail=not base.half_tail),
     }
 
 

@@ -589,8 +589,9 @@ def test_half_tail_tiles(interpreter, monkeypatch, dtype):
     """DispatchConfig.half_tail: a row block whose valid rows all fit its first half runs a
     half-height tile. Counts per expert chosen so that both kinds of block occur: 40 rows (a full
     block of 32, then a tail of 8: half), 20 (one block, more than half: full), 16 (exactly half:
-    half), 0, and ids < 0. Output, saved z and the backward (whose recompute mode runs gate_up
-    again) match float64 and the full-tile path bitwise, with NaN-poisoned scratch."""
+    half), 0, and ids < 0. Output, saved z and the backward (recompute mode: gate_up again, and
+    the dA and dx GEMMs with BackwardConfig.half_tail) match float64 and the full-tile path
+    bitwise, with NaN-poisoned scratch."""
     import dataclasses
 
     from moe_ops.launch.alignment import align_triton
@@ -617,8 +618,8 @@ def test_half_tail_tiles(interpreter, monkeypatch, dtype):
         cfg = dataclasses.replace(base, half_tail=ht)
         _poison_empty(monkeypatch)
         out, z = dispatch_triton(*args, config=cfg, save_z=True)
-        grads = dispatch_backward_triton(go, *args, z=None, config=cfg,
-                                         bwd_config=backward_config(cfg, "cpu", dtype))
+        bc = dataclasses.replace(backward_config(cfg, "cpu", dtype), half_tail=ht)
+        grads = dispatch_backward_triton(go, *args, z=None, config=cfg, bwd_config=bc)
         monkeypatch.undo()
         outs[ht] = (out, z, grads)
         tol = RTOL[dtype]

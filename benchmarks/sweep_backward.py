@@ -31,6 +31,9 @@ def variants(base):
         "da n128 w4": r(base, da_n=128, da_warps=4),
         "ew r8 i256": r(base, ew_r=8, ew_i=256),
         "half tail": r(base, half_tail=not base.half_tail),
+        "wg untrimmed": r(base, wg_trim=False),
+        "wg 128x128 w4 s3": r(base, wg_n=128, wg_warps=4, num_stages=3),
+        "wg s3": r(base, num_stages=3),
     }
 
 

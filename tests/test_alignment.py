@@ -28,6 +28,9 @@ def _check(ids, E, block_m):
     counts = torch.bincount(ids.reshape(-1).long().clamp(-1, E).add(1), minlength=E + 2)[1:E + 1]
     padded = (counts + block_m - 1) // block_m * block_m
     assert torch.equal(al.expert_ends.long(), padded.cumsum(0))
+    assert torch.equal(al.valid_ends.long(), padded.cumsum(0) - padded + counts)
+    # the backward's weight-gradient kernel finds the valid ends E entries after the padded ends
+    assert al.valid_ends.data_ptr() == al.expert_ends.data_ptr() + 4 * E
     # every valid slot appears exactly once; padding is the sentinel
     flat = ids.reshape(-1).long()
     valid = ((flat >= 0) & (flat < E)).nonzero().flatten()

@@ -6,7 +6,7 @@ expert histogram), then place: every program reads the whole [P, E] histogram (f
 the per-expert padded starts and its own per-expert bases, scatters its span (each slot's row =
 its base for its expert + its rank among earlier slots of that expert in the span) and writes its
 share of the block -> expert table and of the padding sentinels (program 0 also the padded row
-count and the expert ends). Ranks come from a one-hot cumulative sum, so the order within an
+count and the expert ends, padded and valid). Ranks come from a one-hot cumulative sum, so the order within an
 expert is the slot order and the result is the same on every run. Layout:
 moe_ops/reference/alignment.py. (A one-program scan between count and scatter, with the
 sentinels in a BLOCK_M-step loop, took 26-59 us at T = 2048-8192: NOTES.md, entry 18.)"""
@@ -47,6 +47,7 @@ def scan_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, expert_ends
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     tl.store(expert_ends_ptr + experts, ends, mask=experts < E)
+    tl.store(expert_ends_ptr + E + experts, starts + totals, mask=experts < E)
     rank = tl.cumsum(onehot, axis=0) - onehot
     row = tl.sum((rank + starts[None, :]) * onehot, axis=1)
     tl.store(sorted_ptr + row, offs, mask=valid)
@@ -94,6 +95,7 @@ def place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr
     num_rows = tl.sum(padded, axis=0)
     if pid == 0:
         tl.store(expert_ends_ptr + experts, ends, mask=experts < E)
+        tl.store(expert_ends_ptr + E + experts, starts + totals, mask=experts < E)
         tl.store(num_rows_ptr, num_rows)
     # this program's span: rows from its bases (the slots of earlier programs come first)
     base = starts + tl.sum(tl.where(progs[:, None] < pid, counts, 0), axis=0)

@@ -100,19 +100,26 @@ def weight_grad_kernel(
     l_ptr, r_ptr, out_ptr, expert_ends_ptr, M, N, E,
     stride_lr, stride_rr, stride_oe, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TRIM: tl.constexpr = True,
 ):
-    """out[e] = sum over expert e's padded aligned rows of L[row]^T R[row] ([M, N]), rows walked
-    in order. L and R are in aligned-row order with zero padding rows, and BLOCK_K divides the
-    alignment's block_m, so the row loop needs no masks and no indirection."""
+    """out[e] = sum over expert e's aligned rows of L[row]^T R[row] ([M, N]), rows walked in
+    order. L and R are in aligned-row order with zero padding rows, and BLOCK_K divides the
+    alignment's block_m, so the row loop needs no masks and no indirection. The loop stops at
+    the first BLOCK_K step past the expert's valid rows (valid ends sit E entries after the
+    padded ends): the padding rows it skips are zeros, so the sum is bitwise the same. TRIM=False
+    walks every padded row."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
     e = pid // (n_m * n_n)
     pid_m = (pid % (n_m * n_n)) // n_n
     pid_n = pid % n_n
-    row_end = tl.load(expert_ends_ptr + e)
     row_start = tl.load(expert_ends_ptr + e - 1, mask=e > 0, other=0)
+    if TRIM:
+        valid_end = tl.load(expert_ends_ptr + E + e)
+        row_end = row_start + tl.cdiv(valid_end - row_start, BLOCK_K) * BLOCK_K
+    else:   # every padded row (the pre-trim loop, kept for A/B timing)
+        row_end = tl.load(expert_ends_ptr + e)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M

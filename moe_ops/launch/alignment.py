@@ -23,6 +23,9 @@ class Alignment:
     num_rows: torch.Tensor       # int32 [1], device side
     expert_ends: torch.Tensor    # int32 [E]: end of each expert's padded rows (start = previous end)
     block_m: int
+    # int32 [E]: end of each expert's valid rows. expert_ends and valid_ends are the two rows of
+    # one [2, E] buffer: the kernels take expert_ends' pointer and find valid_ends E further on.
+    valid_ends: torch.Tensor | None = None
 
     @property
     def max_rows(self) -> int:
@@ -39,8 +42,9 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
     n_blocks = max_rows // block_m
     if n_slots == 0:
         empty = torch.empty(0, dtype=torch.int32, device=dev)
-        return Alignment(empty, empty, torch.zeros(1, dtype=torch.int32, device=dev),
-                         torch.zeros(num_experts, dtype=torch.int32, device=dev), block_m)
+        ends = torch.zeros(2, num_experts, dtype=torch.int32, device=dev)
+        return Alignment(empty, empty, torch.zeros(1, dtype=torch.int32, device=dev), ends[0],
+                         block_m, ends[1])
     block_e = next_pow2(num_experts)
     chunk = max(16, min(1024, TILE_ELEMS // block_e))
     n_programs = max(1, min(128, SCAN_ELEMS // block_e, cdiv(n_slots, chunk)))
@@ -49,23 +53,24 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
     sorted_slots = torch.empty(max_rows, dtype=torch.int32, device=dev)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
-    expert_ends = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    ends = torch.empty(2, num_experts, dtype=torch.int32, device=dev)   # padded, valid
+    expert_ends = ends[0]
     if n_programs == 1:   # decode sizes: one launch
         kernel_for(scan_kernel, dev)[(1,)](
-            ids, sorted_slots, block_expert, num_rows, expert_ends, n_slots, n_blocks,
+            ids, sorted_slots, block_expert, num_rows, ends, n_slots, n_blocks,
             num_experts, BLOCK_M=block_m, BLOCK_P=next_pow2(n_slots), BLOCK_E=block_e,
             BLOCK_B=_pow2_floor(min(64, 4096 // (block_e + block_m))), num_warps=4)
-        return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m)
+        return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m, ends[1])
     counts = torch.empty(n_programs, block_e, dtype=torch.int32, device=dev)
     kernel_for(count_kernel, dev)[(n_programs,)](
         ids, counts, n_slots, span, num_experts, CHUNK=chunk, BLOCK_E=block_e)
     # each place program owns about n_blocks / n_programs blocks of the table
     block_b = min(next_pow2(cdiv(n_blocks, n_programs)), _pow2_floor(4096 // (block_e + block_m)))
     kernel_for(place_kernel, dev)[(n_programs,)](
-        ids, counts, sorted_slots, block_expert, num_rows, expert_ends, n_programs, n_slots,
+        ids, counts, sorted_slots, block_expert, num_rows, ends, n_programs, n_slots,
         span, n_blocks, num_experts, CHUNK=chunk, BLOCK_M=block_m,
         BLOCK_P=next_pow2(n_programs), BLOCK_E=block_e, BLOCK_B=block_b, num_warps=8)
-    return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m)
+    return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m, ends[1])
 
 
 def _pow2_floor(n: int) -> int:

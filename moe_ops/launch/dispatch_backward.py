@@ -97,16 +97,21 @@ def gather_rows_triton(src, al, n_slots, top_k):
 
 
 def weight_grad_triton(left, right, out, al, bc, prec):
-    """out[e] ([M, N]) = sum over expert e's padded aligned rows of left[row]^T right[row];
-    left and right are contiguous, in aligned-row order, with zero padding rows."""
+    """out[e] ([M, N]) = sum over expert e's aligned rows of left[row]^T right[row] (up to the
+    first step past its valid rows); left and right are contiguous, in aligned-row order, with
+    zero padding rows."""
     E, M, N = out.shape
     bk = min(bc.wg_k, al.block_m)
+    ends = al.expert_ends
+    if al.valid_ends is None or al.valid_ends.data_ptr() != ends.data_ptr() + E * ends.element_size():
+        raise ValueError("weight_grad_triton needs an alignment whose valid ends follow its "
+                         "padded ends in one buffer (align_triton's)")
     if al.block_m % bk:
         raise ValueError(f"weight-gradient step {bk} must divide block_m {al.block_m}")
     kernel_for(weight_grad_kernel, out.device)[
             (E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n),)](
         left, right, out, al.expert_ends, M, N, E,
         left.stride(0), right.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, DOT_PRECISION=prec,
+        BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, DOT_PRECISION=prec, TRIM=bc.wg_trim,
         num_warps=bc.wg_warps, num_stages=bc.num_stages,
     )

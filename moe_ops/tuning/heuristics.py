@@ -209,6 +209,7 @@ class BackwardConfig:
     ew_i: int = 512    # elementwise pass: columns of I per step
     tma: bool = False  # dA and dx weight tiles through tensor descriptors
     half_tail: bool = False  # dA and dx: tail row blocks on a half-height tile (as the forward)
+    wg_trim: bool = True  # weight gradients stop at the expert's valid rows (not its padding)
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype) -> BackwardConfig:

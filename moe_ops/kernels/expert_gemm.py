@@ -147,19 +147,16 @@ def gate_up_kernel(
         num_rows = tl.load(num_rows_ptr)
         if pid_m * BLOCK_M >= num_rows:
             return
+    # half: a compile-time False unless HALF_TAIL (then a runtime flag: two tile heights)
+    half = False
     if HALF_TAIL and not DIRECT:
-        if half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M):
-            gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
-                          n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
-                          stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
-                          DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
-                          DIRECT, USE_PDL, TMA_PAIR, BLOCK_M // 2)
-        else:
-            gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
-                          n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
-                          stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
-                          DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
-                          DIRECT, USE_PDL, TMA_PAIR, BLOCK_M)
+        half = half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M)
+    if half:
+        gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+                      n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
+                      stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
+                      DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
+                      DIRECT, USE_PDL, TMA_PAIR, BLOCK_M // 2)
     else:
         gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                       n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
@@ -227,19 +224,15 @@ def down_kernel(
         num_rows = tl.load(num_rows_ptr)
         if pid_m * BLOCK_M >= num_rows:
             return
+    half = False   # as in gate_up_kernel
     if HALF_TAIL and not DIRECT:
-        if half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M):
-            down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
-                       pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
-                       stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
-                       DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                       n_experts, DIRECT, USE_PDL, BLOCK_M // 2)
-        else:
-            down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
-                       pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
-                       stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
-                       DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                       n_experts, DIRECT, USE_PDL, BLOCK_M)
+        half = half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M)
+    if half:
+        down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
+                   pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
+                   stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
+                   DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
+                   n_experts, DIRECT, USE_PDL, BLOCK_M // 2)
     else:
         down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,

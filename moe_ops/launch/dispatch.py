@@ -124,7 +124,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
             raise ValueError("the folded combine needs direct rows (T == 1)")
         counters, out, ids = combine
         comb = dict(counters_ptr=counters, out_ptr=out, stride_oh=out.stride(1),
-                    COMBINE_K=ids.shape[1], FENCE=a.device.type == "cuda")
+                    COMBINE_K=ids.shape[1], FENCE=_compiled_code(a.device))
     kernel_for(down_kernel, a.device)[(n_blocks * cdiv(N, block_n),)](
         a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, N, K_red, top_k,
@@ -192,6 +192,12 @@ def _pdl_args(pdl: bool, device: torch.device) -> dict:
     if not pdl or device.type != "cuda" or not _sm90(device):
         return {}
     return dict(USE_PDL=True, launch_pdl=True)
+
+
+def _compiled_code(device: torch.device) -> bool:
+    """Whether kernels launched for `device` are compiled (CUDA), not interpreted: inline PTX
+    only there."""
+    return device.type == "cuda"
 
 
 def _half_tail(enabled: bool, al) -> bool:

@@ -1,0 +1,79 @@
+"""The kernels the heuristic picks compile for Hopper (sm_90) on this CPU-only machine
+(moe_ops.compile_check: launches captured, compiled with triton.compile for GPUTarget cuda 90):
+no GPU run is needed to catch code the interpreter runs but the compiler rejects, shared memory
+over the limit, or a prefill GEMM that lost its tensor-core (wgmma) path."""
+import pytest
+import torch
+
+from moe_ops.tuning.heuristics import heuristic_config, neighbours
+from moe_ops.tuning.shapes import SHAPES
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def compile_check():
+    cc = pytest.importorskip("moe_ops.compile_check")
+    try:
+        import triton
+        import triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        @triton.jit
+        def _one(x_ptr, B: tl.constexpr):
+            tl.store(x_ptr + tl.arange(0, B), tl.arange(0, B))
+
+        triton.compile(ASTSource(fn=_one, signature={"x_ptr": "*i32", "B": "constexpr"},
+                                 constexprs={(1,): 16}),
+                       target=GPUTarget("cuda", 90, 128))
+    except Exception as exc:   # no NVIDIA backend / ptxas in this Triton
+        pytest.skip(f"this Triton cannot compile for sm_90 here: {type(exc).__name__}: {exc}")
+    return cc
+
+
+def _compile_all(cc, launches):
+    out = {}
+    for launch in launches:
+        c = cc.compile_launch(launch)
+        assert c.shared <= cc.SHARED_LIMIT, (launch.name, c.shared)
+        out.setdefault(launch.name, []).append(c)
+    return out
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("T", [1, 2048])
+def test_heuristic_configs_compile(compile_check, name, T):
+    """Forward and backward of the heuristic's bf16 config: every kernel compiles; at 128-row
+    blocks the gate+up and down GEMMs issue wgmma and take their weight tiles by TMA."""
+    H, I, E, K = SHAPES[name]
+    cfg = heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16)
+    launches = compile_check.forward_launches((H, I, E, K), 1 if cfg.direct else 16, cfg,
+                                              torch.bfloat16, backward=T > 1)
+    got = _compile_all(compile_check, launches)
+    assert "gate_up_kernel" in got
+    if cfg.block_m == 128:
+        assert cfg.tma_pair and cfg.half_tail
+        for kname in ("gate_up_kernel", "down_kernel"):
+            fwd = got[kname][0]
+            assert fwd.wgmma > 0 and fwd.tma > 0, (kname, fwd.wgmma, fwd.tma)
+        assert "weight_grad_kernel" in got and got["weight_grad_kernel"][0].wgmma > 0
+    if T == 1:
+        assert cfg.fuse_combine == ("down_combine_one_token_kernel" in got)
+        assert "combine_kernel" not in got   # folded or done by the down kernel's last program
+
+
+def test_path_switches_compile(compile_check):
+    """The sweep's code-path switches at a prefill size (TMA pair and unpaired, pointer loads,
+    half tiles off) and at T == 1 (separate combine, pointer loads) compile; float32 (no TMA,
+    32-deep steps) too."""
+    H, I, E, K = SHAPES["qwen3_30b_a3b"]
+    words = ("tma", "half", "combine")
+    for T, dtype in ((2048, torch.bfloat16), (1, torch.bfloat16), (2048, torch.float32)):
+        base = heuristic_config(T, E, K, H, I, "cuda", dtype)
+        for vname, cfg in neighbours(base, dtype).items():
+            if vname != "heuristic" and not any(w in vname for w in words):
+                continue
+            launches = compile_check.forward_launches((H, I, E, K), 1 if cfg.direct else 16,
+                                                      cfg, dtype)
+            _compile_all(compile_check, launches)

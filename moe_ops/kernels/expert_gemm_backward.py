@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def swiglu_grad_kernel(
     da_ptr, z_ptr, weights_ptr, sorted_ptr, num_rows_ptr, dz_ptr, sa_ptr, dweights_ptr,

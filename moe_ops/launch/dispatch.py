@@ -205,7 +205,6 @@ def _half_tail(enabled: bool, al) -> bool:
     return bool(enabled) and not isinstance(al, DirectRows) and al.block_m >= 32
 
 
-
 @functools.lru_cache(maxsize=None)
 def _sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9

@@ -43,18 +43,31 @@ def scan_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, expert_ends
     valid = m & (ids >= 0) & (ids < E)
     onehot = ((ids[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)
     totals = tl.sum(onehot, axis=0)
-    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    tl.store(expert_ends_ptr + experts, ends, mask=experts < E)
-    tl.store(expert_ends_ptr + E + experts, starts + totals, mask=experts < E)
+    starts, ends, num_rows = expert_ranges(totals, BLOCK_M)
+    store_ranges(expert_ends_ptr, num_rows_ptr, experts, starts, ends, totals, num_rows, E)
     rank = tl.cumsum(onehot, axis=0) - onehot
     row = tl.sum((rank + starts[None, :]) * onehot, axis=1)
     tl.store(sorted_ptr + row, offs, mask=valid)
-    num_rows = tl.sum(padded, axis=0)
-    tl.store(num_rows_ptr, num_rows)
     block_table(sorted_ptr, block_expert_ptr, starts + totals, ends, experts, num_rows, n_slots,
                 0, n_blocks, 1, E, BLOCK_M, BLOCK_E, BLOCK_B)
+
+
+@triton.jit
+def expert_ranges(totals, BLOCK_M: tl.constexpr):
+    """(starts, ends, num_rows) of the experts' padded row ranges, from their slot counts: each
+    expert's rows padded to a multiple of BLOCK_M, experts in ascending order."""
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    return ends - padded, ends, tl.sum(padded, axis=0)
+
+
+@triton.jit
+def store_ranges(expert_ends_ptr, num_rows_ptr, experts, starts, ends, totals, num_rows, E):
+    """The [2, E] ends buffer (padded ends, then valid ends: start + count) and the padded row
+    count."""
+    tl.store(expert_ends_ptr + experts, ends, mask=experts < E)
+    tl.store(expert_ends_ptr + E + experts, starts + totals, mask=experts < E)
+    tl.store(num_rows_ptr, num_rows)
 
 
 @triton.jit
@@ -89,14 +102,9 @@ def place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr
     counts = tl.load(counts_ptr + progs[:, None] * BLOCK_E + experts[None, :],
                      mask=(progs < n_programs)[:, None], other=0)
     totals = tl.sum(counts, axis=0)
-    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    num_rows = tl.sum(padded, axis=0)
+    starts, ends, num_rows = expert_ranges(totals, BLOCK_M)
     if pid == 0:
-        tl.store(expert_ends_ptr + experts, ends, mask=experts < E)
-        tl.store(expert_ends_ptr + E + experts, starts + totals, mask=experts < E)
-        tl.store(num_rows_ptr, num_rows)
+        store_ranges(expert_ends_ptr, num_rows_ptr, experts, starts, ends, totals, num_rows, E)
     # this program's span: rows from its bases (the slots of earlier programs come first)
     base = starts + tl.sum(tl.where(progs[:, None] < pid, counts, 0), axis=0)
     start = pid.to(tl.int64) * span

@@ -25,7 +25,7 @@ class Alignment:
     block_m: int
     # int32 [E]: end of each expert's valid rows. expert_ends and valid_ends are the two rows of
     # one [2, E] buffer: the kernels take expert_ends' pointer and find valid_ends E further on.
-    valid_ends: torch.Tensor | None = None
+    valid_ends: torch.Tensor
 
     @property
     def max_rows(self) -> int:

@@ -103,7 +103,7 @@ def weight_grad_triton(left, right, out, al, bc, prec):
     E, M, N = out.shape
     bk = min(bc.wg_k, al.block_m)
     ends = al.expert_ends
-    if al.valid_ends is None or al.valid_ends.data_ptr() != ends.data_ptr() + E * ends.element_size():
+    if al.valid_ends.data_ptr() != ends.data_ptr() + E * ends.element_size():
         raise ValueError("weight_grad_triton needs an alignment whose valid ends follow its "
                          "padded ends in one buffer (align_triton's)")
     if al.block_m % bk:

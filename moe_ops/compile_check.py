@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import inspect
+import os
 import sys
 from typing import Iterator
 
@@ -71,14 +72,12 @@ def capture() -> Iterator[list]:
     def pdl_args(pdl, device):
         return dict(USE_PDL=True, launch_pdl=True) if pdl else {}
 
-    saved = [(m, "kernel_for", m.kernel_for) for m in (alignment, dispatch, dispatch_backward)]
-    saved.append((dispatch, "_pdl_args", dispatch._pdl_args))
-    saved.append((dispatch, "_compiled_code", dispatch._compiled_code))
+    patches = [(m, "kernel_for", kernel_for) for m in (alignment, dispatch, dispatch_backward)]
+    patches += [(dispatch, "_pdl_args", pdl_args), (dispatch, "_compiled_code", lambda d: True)]
+    saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
     try:
-        for m, name, _ in saved[:3]:
-            setattr(m, name, kernel_for)
-        dispatch._pdl_args = pdl_args
-        dispatch._compiled_code = lambda device: True
+        for m, name, value in patches:
+            setattr(m, name, value)
         yield launches
     finally:
         for m, name, value in saved:
@@ -88,9 +87,15 @@ def capture() -> Iterator[list]:
 def _signature(launch: Launch):
     """(signature, constexprs, attrs, options) of a captured launch, as Triton's JIT on a GPU
     would specialise it."""
+    from triton.runtime.jit import JITFunction
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     fn = launch.kernel
+    if not isinstance(fn, JITFunction):
+        raise RuntimeError(f"{launch.name} is {type(fn).__name__}, not a JITFunction: its module "
+                           "was first imported with TRITON_INTERPRET=1 set, and Triton keeps it "
+                           "interpreted for the whole process; import moe_ops.launch.* before "
+                           "setting it")
     params = list(inspect.signature(fn.fn).parameters.values())
     names = [p.name for p in params]
     constexpr = {p.name for p in params if "constexpr" in str(p.annotation)}
@@ -212,7 +217,6 @@ def main(argv=None) -> int:
                           f"{c.wgmma:>5} {c.mma:>5} {c.cp_async:>8} {c.tma:>4}{over}", flush=True)
                     failed += bool(over)
                     if args.dump:
-                        import os
                         os.makedirs(args.dump, exist_ok=True)
                         with open(os.path.join(args.dump, f"{c.name}_{len(seen)}.ptx"), "w") as f:
                             f.write(c.ptx)

@@ -4,6 +4,13 @@ import pytest
 import torch
 
 import moe_ops  # noqa: F401  (registers torch.ops.moe.*)
+# Every kernel module is decorated now, before the `interpreter` fixture sets TRITON_INTERPRET=1:
+# Triton makes a module first imported under TRITON_INTERPRET=1 interpreted for the whole
+# process, and the ops import their launchers lazily (tests/test_compile_sm90.py compiles the
+# real kernels and failed when it ran after tests that first imported the backward's kernels
+# with the variable set).
+import moe_ops.launch.dispatch_backward  # noqa: F401,E402
+import moe_ops.launch.routing  # noqa: F401,E402
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Per-dtype relative-error bounds against a float64 reference (||out - ref|| / ||ref||).

@@ -34,6 +34,9 @@ def variants(base):
         "wg untrimmed": r(base, wg_trim=False),
         "wg 128x128 w4 s3": r(base, wg_n=128, wg_warps=4, num_stages=3),
         "wg s3": r(base, num_stages=3),
+        "wg persistent": r(base, wg_persistent=not base.wg_persistent, wg_stages=3),
+        "wg persistent s2": r(base, wg_persistent=True, wg_stages=2),
+        "wg persistent 128x128 s4": r(base, wg_persistent=True, wg_n=128, wg_stages=4),
     }
 
 

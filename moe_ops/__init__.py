@@ -21,3 +21,18 @@ def _register_integrations():
 
 
 _register_integrations()
+
+
+def _decorate_kernels():
+    """Import every launcher (so every @triton.jit kernel is decorated) now. Triton decides
+    compiled-or-interpreted when the decorator runs: imported lazily, at a process's first
+    dispatch, the kernels would stay interpreted for its CUDA tensors too if it had set
+    TRITON_INTERPRET=1 in between (moe_ops picks the interpreter per call, for CPU tensors)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:   # the PyTorch reference still runs on CPU
+        return
+    from moe_ops.launch import alignment, dispatch, dispatch_backward, routing  # noqa: F401
+
+
+_decorate_kernels()

@@ -16,3 +16,29 @@ def test_next_pow2_matches_triton():
         assert next_pow2(n) == triton.next_power_of_2(n), n
     assert next_pow2(0) == 1   # a block size: never 0 (triton.next_power_of_2(0) is 0)
     assert next_pow2(2**33 + 1) == 2**34
+
+
+def test_kernels_stay_compiled_after_interpreter_is_set_later():
+    """`import moe_ops` decorates every kernel: a process that sets TRITON_INTERPRET=1 after the
+    import (to run CPU tensors through the interpreter) keeps compiled kernels for CUDA tensors.
+    Run in a child process: this test session already imported the kernels."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, moe_ops\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from triton.runtime.jit import JITFunction\n"
+        "from moe_ops.kernels import alignment, expert_gemm, expert_gemm_backward, routing\n"
+        "ks = [getattr(m, n) for m in (alignment, expert_gemm, expert_gemm_backward, routing)\n"
+        "      for n in dir(m) if n.endswith('_kernel')]\n"
+        "assert len(ks) >= 10, ks\n"
+        "bad = [k for k in ks if not isinstance(k, JITFunction)]\n"
+        "assert not bad, bad\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -736,3 +736,43 @@ def test_one_token_out_of_range_ids_dropped(interpreter, monkeypatch, fused, tma
     _poison_empty(monkeypatch)
     out = dispatch_triton(h, w13, w2, w, bad, config=cfg)
     assert rel_err(out, _dense_float64(*_double((h, w13, w2, w, dropped)))) <= 1e-5, seed
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. the persistent weight-gradient kernel (interpreted) against the per-tile kernel
+
+
+@needs_interpreter
+@pytest.mark.parametrize("routing", ["uniform", "mixed", "one_expert", "skewed"])
+def test_weight_grad_persistent_matches_per_tile(interpreter, routing):
+    """Three programs walk all output tiles of both weight gradients (several tiles per expert,
+    several experts per program, an empty expert where the routing leaves one): bitwise the
+    per-tile kernel's sums (same rows, same order, same tile), and near float64."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch_backward as db
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    T, H, I, E, K = 24, 48, 40, 5, 2
+    args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed, dtype=torch.float16)
+    go = torch.randn(T, H, generator=g).to(torch.float16)
+    cfg = dispatch_config(T, E, K, H, I, "cpu", torch.float16)
+    bc = backward_config(cfg, "cpu", torch.float16)
+    calls = []
+    run = db._weight_grad_persistent
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(db, "_weight_grad_persistent", lambda *a: (calls.append(a[2].shape), run(*a)))
+        per_tile = db.dispatch_backward_triton(go, *args, config=cfg,
+                                               bwd_config=dataclasses.replace(bc, wg_persistent=False))
+        assert calls == []
+        persistent = db.dispatch_backward_triton(go, *args, config=cfg,
+                                                 bwd_config=dataclasses.replace(bc, wg_persistent=True))
+    assert calls == [(E, H, I), (E, 2 * I, H)], (seed, calls)   # dW2, then dW13
+    ref = dispatch_backward_reference(go.double(), *_double(args))
+    for name, a, b, r in zip(NAMES, persistent, per_tile, ref):
+        assert torch.equal(a, b), (seed, name)
+        if r.norm() == 0:
+            assert torch.equal(a, torch.zeros_like(a)), (seed, name)
+        else:
+            assert rel_err(a, r) <= GRAD_TOL[torch.float16], (seed, name, rel_err(a, r))

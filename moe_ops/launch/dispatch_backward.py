@@ -14,7 +14,8 @@ import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
 from moe_ops.kernels.expert_gemm_backward import (gather_rows_kernel, swiglu_grad_kernel,
-                                                  weight_grad_kernel)
+                                                  weight_grad_kernel,
+                                                  weight_grad_persistent_kernel)
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import (_dot_precision, combine_triton, gate_up_triton,
                                      rows_gemm_triton)
@@ -108,10 +109,61 @@ def weight_grad_triton(left, right, out, al, bc, prec):
                          "padded ends in one buffer (align_triton's)")
     if al.block_m % bk:
         raise ValueError(f"weight-gradient step {bk} must divide block_m {al.block_m}")
+    if (bc.wg_persistent and bc.wg_trim and E <= _MAX_PERSISTENT_EXPERTS
+            and _persistent_ok(left, right, out)):
+        return _weight_grad_persistent(left, right, out, al, bc, prec, bk)
     kernel_for(weight_grad_kernel, out.device)[
             (E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n),)](
         left, right, out, al.expert_ends, M, N, E,
         left.stride(0), right.stride(0), out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, DOT_PRECISION=prec, TRIM=bc.wg_trim,
         num_warps=bc.wg_warps, num_stages=bc.num_stages,
+    )
+
+
+def _persistent_ok(*tensors) -> bool:
+    """Tensor descriptors of these contiguous 16-bit tensors are legal (16-byte aligned base and
+    row strides) and the device has tensor-memory copies (sm_90+, or the interpreter)."""
+    t0 = tensors[0]
+    if t0.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    for t in tensors:
+        if not t.is_contiguous() or t.data_ptr() % 16 or (t.shape[-1] * t.element_size()) % 16:
+            return False
+    if t0.device.type == "cuda":
+        return torch.cuda.get_device_capability(t0.device)[0] >= 9
+    return True
+
+
+def _num_programs(device) -> int:
+    if device.type != "cuda":
+        return 3   # the interpreter: a few programs, each walking several tiles
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_SM_COUNTS: dict = {}
+_MAX_PERSISTENT_EXPERTS = 1024   # the persistent kernel keeps one expert per lane of a vector
+
+
+def _sm_count(index: int) -> int:
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def _weight_grad_persistent(left, right, out, al, bc, prec, bk):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    E, M, N = out.shape
+    rows = left.shape[0]
+    l_desc = TensorDescriptor(left, [rows, M], [M, 1], [bk, bc.wg_m])
+    r_desc = TensorDescriptor(right, [rows, N], [N, 1], [bk, bc.wg_n])
+    o_desc = TensorDescriptor(out, [E, M, N], [M * N, N, 1], [1, bc.wg_m, bc.wg_n])
+    n_tiles = E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n)
+    programs = min(_num_programs(out.device), n_tiles)
+    kernel_for(weight_grad_persistent_kernel, out.device)[(programs,)](
+        l_desc, r_desc, o_desc, al.expert_ends, M, N, E, rows,
+        BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, BLOCK_E=next_pow2(E),
+        NUM_PROGRAMS=programs, DOT_PRECISION=prec,
+        num_warps=bc.wg_warps, num_stages=bc.wg_stages or bc.num_stages,
     )

@@ -210,6 +210,8 @@ class BackwardConfig:
     tma: bool = False  # dA and dx weight tiles through tensor descriptors
     half_tail: bool = False  # dA and dx: tail row blocks on a half-height tile (as the forward)
     wg_trim: bool = True  # weight gradients stop at the expert's valid rows (not its padding)
+    wg_persistent: bool = False  # weight gradients: one program per SM walking output tiles
+    wg_stages: int = 0    # pipeline stages of the persistent weight-gradient loop (0: num_stages)
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype) -> BackwardConfig:

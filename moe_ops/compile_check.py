@@ -153,10 +153,11 @@ def compile_launch(launch: Launch) -> Compiled:
                     ptx.count("cp.async.bulk.tensor"), ptx)
 
 
-def forward_launches(shape, T, cfg, dtype, backward=False) -> list[Launch]:
+def forward_launches(shape, T, cfg, dtype, backward=False, rows_per_expert=None) -> list[Launch]:
     """The launches of one moe.dispatch forward (and its backward, saved-z mode) with `cfg`, for
     shape (H, I, E, K) scaled down to small H and I (the kernels' constants depend on the
-    config and on K, E and the divisibility of the sizes, not on the sizes themselves)."""
+    config and on K, E and the divisibility of the sizes, not on the sizes themselves).
+    rows_per_expert: what the backward's config is chosen for (default: this call's T*K/E)."""
     from moe_ops.launch.dispatch import dispatch_triton
     from moe_ops.launch.dispatch_backward import dispatch_backward_triton
     from moe_ops.tuning.heuristics import backward_config
@@ -172,7 +173,8 @@ def forward_launches(shape, T, cfg, dtype, backward=False) -> list[Launch]:
     with capture() as launches:
         _, z = dispatch_triton(hidden, w13, w2, w, ids, config=cfg, save_z=True)
         if backward:
-            bc = backward_config(cfg, "cuda", dtype)
+            rpe = T * K / E if rows_per_expert is None else rows_per_expert
+            bc = backward_config(cfg, "cuda", dtype, rows_per_expert=rpe)
             dispatch_backward_triton(torch.randn(T, H, dtype=dtype, generator=g), hidden, w13,
                                      w2, w, ids, z=z, config=cfg, bwd_config=bc)
     return launches
@@ -201,7 +203,8 @@ def main(argv=None) -> int:
             cfgs = neighbours(base, dtype) if args.neighbours else {"heuristic": base}
             for vname, cfg in cfgs.items():
                 small_T = 1 if cfg.direct else 16
-                for launch in forward_launches((H, I, E, K), small_T, cfg, dtype, args.backward):
+                for launch in forward_launches((H, I, E, K), small_T, cfg, dtype, args.backward,
+                                               rows_per_expert=T * K / E):
                     try:
                         c = compile_launch(launch)
                     except Exception as exc:   # report every failure, then exit 1

@@ -215,7 +215,9 @@ class BackwardConfig:
     wg_store_tma: bool = True  # persistent weight gradients: tiles stored by TMA (else st.global)
 
 
-def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype) -> BackwardConfig:
+def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
+                    rows_per_expert: float = 0.0) -> BackwardConfig:
+    """rows_per_expert: the mean aligned rows per expert, T*K/E (0: unknown, as for large T)."""
     if device_type != "cuda":
         return BackwardConfig(32, 32, 16, 1, 32, 32, 1, 1, da_n=32, da_k=32, da_warps=1,
                               ew_r=16, ew_i=32)
@@ -228,5 +230,11 @@ def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype) -
                          da_n=256 if big else 128, da_k=64, da_warps=8 if big else 4)
     if dtype == torch.float32:
         # float32 tiles take twice the shared memory per stage.
-        cfg = replace(cfg, wg_n=128, wg_k=32, dx_n=128, dx_k=32, da_n=128, da_k=32, num_stages=3)
+        return replace(cfg, wg_n=128, wg_k=32, dx_n=128, dx_k=32, da_n=128, da_k=32, num_stages=3)
+    # Persistent weight gradients (3 stages: the store's staging tile takes the 4th) pay where
+    # an expert's tiles have few 64-row steps: at T = 8192 (NOTES.md, entry 19) DeepSeek-V3
+    # (256 rows per expert) 18.3 -> 15.4 ms, Qwen3 (512) 1.42 -> 1.34; OLMoE (1024) even;
+    # Mixtral (2048) 9.85 -> 10.76, where the per-tile kernel's 32-step loops already stream.
+    if 0 < rows_per_expert < 1024:
+        cfg = replace(cfg, wg_persistent=True, wg_stages=3)
     return cfg

@@ -314,28 +314,3 @@ def test_weight_grad_persistent_matches_per_tile(name, routing):
         assert rel_err(got[True][i], ref[i]) <= BWD_RTOL[torch.bfloat16], label
     del got, ref
     torch.cuda.empty_cache()
-
-
-@pytest.mark.parametrize("routing", ["uniform", "negative", "skewed"])
-@pytest.mark.parametrize("T", [2, 8, 128])
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_combine_last_aligned_rows(name, T, routing):
-    """DispatchConfig.combine_last at T > 1: the down program that completes a token's valid
-    slots sums its rows (atomic counters per token and H tile). Bitwise equal to the combine
-    kernel, 20 calls in a row (a missed fence or a stale read would show as a mismatch), and
-    near float64; NaN-poisoned output."""
-    import dataclasses
-
-    from moe_ops.tuning.heuristics import dispatch_config
-
-    hidden, w13, w2, tw, ids = _inputs(name, T, torch.bfloat16, routing=routing, seed=31 + T)
-    E, H, I = w2.shape
-    base = dispatch_config(T, E, ids.shape[1], H, I, "cuda", torch.bfloat16)
-    ref_cfg = dataclasses.replace(base, combine_last=False)
-    ref = dispatch_triton(hidden, w13, w2, tw, ids, config=ref_cfg)
-    cfg = dataclasses.replace(base, combine_last=True)
-    for _ in range(20):
-        out = torch.full_like(ref, float("nan"))
-        dispatch_triton(hidden, w13, w2, tw, ids, config=cfg, out=out)
-        assert torch.equal(out, ref)
-    assert rel_err(out, _oracle(hidden, w13, w2, tw, ids)) <= GPU_RTOL[torch.bfloat16]

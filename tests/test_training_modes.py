@@ -666,48 +666,6 @@ def test_combine_last_one_token(interpreter, monkeypatch, routing, K, H, block_n
 
 
 @needs_interpreter
-@pytest.mark.parametrize("routing", ["uniform", "negative", "mixed", "one_expert", "skewed"])
-@pytest.mark.parametrize("T,K,H,block_n", [(2, 1, 24, 16), (7, 2, 70, 32), (12, 8, 33, 16),
-                                           (5, 5, 16, 16)])
-def test_combine_last_aligned_rows(interpreter, monkeypatch, routing, T, K, H, block_n):
-    """DispatchConfig.combine_last at T > 1 (aligned rows): the down program whose row completes
-    a token's valid slots sums its K rows (counters per token and H tile, zeroed by gate_up,
-    which also writes the zero rows of tokens whose ids are all dropped). Bitwise equal to the
-    separate combine kernel and within float32 rounding of float64, NaN-poisoned scratch and
-    outputs, no combine launch; two calls in a row agree (no counter state leaks)."""
-    import dataclasses
-
-    import moe_ops.launch.dispatch as ld
-    from moe_ops.tuning.heuristics import dispatch_config
-
-    seed = fresh_seed()
-    E, I = 9, 37
-    args, _ = _inputs(T, H, I, E, K, routing=routing, seed=seed)
-    if routing == "mixed":
-        args[4][0] = -1   # one token with every id dropped
-    base = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float32),
-                               block_n2=block_n)
-    assert not base.direct
-    ref = _dense_float64(*_double(args))
-    got = {}
-    combine = ld.combine_triton
-    for cl in (False, True, True):
-        combines = []
-        _poison_empty(monkeypatch)
-        monkeypatch.setattr(ld, "combine_triton", lambda *a, **k: (combines.append(1),
-                                                                   combine(*a, **k)))
-        out = torch.full((T, H), float("nan"))
-        ld.dispatch_triton(*args, config=dataclasses.replace(base, combine_last=cl), out=out)
-        monkeypatch.undo()
-        assert len(combines) == (0 if cl else 1), (seed, cl)
-        assert rel_err(out, ref) <= 1e-5, (seed, cl)
-        if cl in got:
-            assert torch.equal(out, got[cl]), seed
-        got[cl] = out
-    assert torch.equal(got[True], got[False]), seed
-
-
-@needs_interpreter
 @pytest.mark.parametrize("routing", ["uniform", "negative"])
 @pytest.mark.parametrize("K,H,I,block_n,block_k", [(1, 24, 40, 16, 32), (2, 17, 11, 16, 16),
                                                    (4, 33, 70, 32, 32), (16, 40, 72, 16, 64),

@@ -134,12 +134,8 @@ def gate_up_kernel(
     USE_TMA: tl.constexpr = False, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False, TMA_PAIR: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, n_counters=0,
-    BLOCK_C: tl.constexpr = 0, out_ptr=None, n_tokens=0, stride_it=0, stride_ot=0, stride_oh=0,
-    BLOCK_T: tl.constexpr = 0,
+    BLOCK_C: tl.constexpr = 0,
 ):
-    """BLOCK_C > 0: zero the down kernel's BLOCK_C combine counters (its folded combine), and
-    with BLOCK_T > 0 (aligned rows) write the zero output rows of the tokens without a valid id,
-    which no down program combines."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
@@ -147,9 +143,6 @@ def gate_up_kernel(
         if tl.program_id(0) == 0:
             offs_c = tl.arange(0, BLOCK_C)
             tl.store(counters_ptr + offs_c, tl.zeros((BLOCK_C,), tl.int32), mask=offs_c < n_counters)
-            if BLOCK_T > 0:
-                zero_dropped_tokens(ids_ptr, out_ptr, n_tokens, H, n_experts, top_k, stride_it,
-                                    stride_ik, stride_ot, stride_oh, BLOCK_T)
     if not DIRECT:
         num_rows = tl.load(num_rows_ptr)
         if pid_m * BLOCK_M >= num_rows:
@@ -214,8 +207,7 @@ def down_kernel(
     TMA_LAYOUT: tl.constexpr = 0, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, out_ptr=None, stride_oh=0,
-    COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False, stride_it=0, stride_ot=0,
-    COMBINE_ROWS: tl.constexpr = 0, BLOCK_KC: tl.constexpr = 1,
+    COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
@@ -224,8 +216,7 @@ def down_kernel(
     programs of an H tile stores its slot's row, then counts itself in counters[pid_n] (zeroed by
     this call's gate_up kernel); the one that counts last sums the K rows in order 0..K-1 in
     float32 into out, exactly as combine_kernel does (bitwise the same result, whichever program
-    is last). COMBINE_ROWS = K > 0 (aligned rows, small T): combine_rows_last, with counters
-    per (token, H tile)."""
+    is last)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
@@ -248,79 +239,9 @@ def down_kernel(
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
                    n_experts, DIRECT, USE_PDL, BLOCK_M)
-    if COMBINE_ROWS > 0:
-        combine_rows_last(y_ptr, ids_ptr, counters_ptr, out_ptr, sorted_ptr, pid_m, pid_n,
-                          n_slots, H, tl.cdiv(N, BLOCK_N), n_experts, stride_it, stride_ik,
-                          stride_ym, stride_ot, stride_oh, BLOCK_M, BLOCK_N, COMBINE_ROWS,
-                          BLOCK_KC, FENCE)
     if COMBINE_K > 0:
         combine_last(y_ptr, ids_ptr, counters_ptr, out_ptr, pid_n, H, n_experts, stride_ik,
                      stride_ym, stride_oh, BLOCK_N, COMBINE_K, FENCE)
-
-
-@triton.jit
-def zero_dropped_tokens(ids_ptr, out_ptr, T, H, E, top_k, stride_it, stride_ik, stride_ot,
-                        stride_oh, BLOCK_T: tl.constexpr):
-    """out[t] = 0 for the tokens (of T <= BLOCK_T) whose top_k ids are all dropped."""
-    toks = tl.arange(0, BLOCK_T)
-    t_mask = toks < T
-    any_valid = toks < 0
-    for k in range(top_k):
-        ids = tl.load(ids_ptr + toks * stride_it + k * stride_ik, mask=t_mask, other=-1)
-        any_valid = any_valid | ((ids >= 0) & (ids < E))
-    dropped = t_mask & ~any_valid
-    if tl.max(dropped.to(tl.int32), axis=0) > 0:
-        offs_h = tl.arange(0, 128)
-        for h0 in range(0, H, 128):
-            tl.store(out_ptr + toks[:, None].to(tl.int64) * stride_ot
-                     + (h0 + offs_h)[None, :] * stride_oh,
-                     tl.zeros((BLOCK_T, 128), tl.float32).to(out_ptr.dtype.element_ty),
-                     mask=dropped[:, None] & ((h0 + offs_h) < H)[None, :])
-
-
-@triton.jit
-def combine_rows_last(y_ptr, ids_ptr, counters_ptr, out_ptr, sorted_ptr, pid_m, pid_n, n_slots,
-                      H, N_TILES, n_experts, stride_it, stride_ik, stride_ym, stride_ot,
-                      stride_oh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, FENCE: tl.constexpr):
-    """combine_last for aligned rows (small T): each valid row of row block pid_m counts itself
-    in counters[token, pid_n] ([T, N_TILES], zeroed by this call's gate_up kernel); a row whose
-    count completes its token's valid slots (its ids in range) makes this program the token's
-    combiner for this H tile: it sums the token's rows k = 0..TOP_K-1 in float32, in that order,
-    exactly as combine_kernel does. Ordering as in combine_last: every thread fences its row
-    stores at GPU scope, a barrier, acq_rel atomics, a fence again before the .cg loads."""
-    if FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r",
-                                  [tl.full((1,), 0, tl.int32)], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-    tl.debug_barrier()
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_ptr + rows)
-    valid = slots < n_slots
-    tok = tl.where(valid, slots // TOP_K, 0).to(tl.int64)
-    seen = tl.atomic_add(counters_ptr + tok * N_TILES + pid_n, tl.full((BLOCK_M,), 1, tl.int32),
-                         mask=valid, sem="acq_rel", scope="gpu")
-    ks = tl.arange(0, BLOCK_K)
-    tid = tl.load(ids_ptr + tok[:, None] * stride_it + ks[None, :] * stride_ik,
-                  mask=valid[:, None] & (ks < TOP_K)[None, :], other=-1)
-    n_valid = tl.sum(((tid >= 0) & (tid < n_experts)).to(tl.int32), axis=1)
-    last = valid & (seen == n_valid - 1)
-    if tl.max(last.to(tl.int32), axis=0) > 0:
-        if FENCE:
-            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r",
-                                      [tl.full((1,), 0, tl.int32)], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < H
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k in tl.static_range(TOP_K):
-            e = tl.load(ids_ptr + tok * stride_it + k * stride_ik, mask=last, other=-1)
-            ok = last & (e >= 0) & (e < n_experts)
-            y = tl.load(y_ptr + (tok * TOP_K + k)[:, None] * stride_ym + offs_n[None, :],
-                        mask=ok[:, None] & n_mask[None, :], other=0.0, cache_modifier=".cg")
-            acc += y.to(tl.float32)
-        tl.store(out_ptr + tok[:, None] * stride_ot + offs_n[None, :] * stride_oh,
-                 acc.to(out_ptr.dtype.element_ty), mask=last[:, None] & n_mask[None, :])
 
 
 @triton.jit

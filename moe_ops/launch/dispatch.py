@@ -13,11 +13,6 @@ from moe_ops.kernels.expert_gemm import (combine_kernel, down_combine_one_token_
 from moe_ops.launch.alignment import align_triton
 from moe_ops.tuning.heuristics import dispatch_config
 
-# combine_last on aligned rows: up to this many tokens, and counters (tokens x H tiles) that one
-# program zeroes in one vector store.
-COMBINE_LAST_MAX_T = 128
-COMBINE_LAST_MAX_COUNTERS = 16384
-
 
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 inputs get full-precision products (tf32 would cost ~3e-4 relative error).
@@ -50,16 +45,12 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
         gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl)
         down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg)
         return (out, z) if save_z else out
-    # combine_last: the down kernel's last program per (token, H tile) does the combine, with
-    # counters that this call's gate_up kernel zeroes (no combine launch). One token: a counter
-    # per H tile; aligned rows (small T): one per (token, H tile).
+    # One token, combine_last: the down kernel's last program per H tile does the combine, with
+    # counters that this call's gate_up kernel zeroes (no combine launch).
     counters = None
-    n_h = cdiv(H, cfg.block_n2)
-    if cfg.combine_last and K <= 32 and (direct or (T <= COMBINE_LAST_MAX_T
-                                                   and T * n_h <= COMBINE_LAST_MAX_COUNTERS)):
-        counters = torch.empty(n_h if direct else T * n_h, dtype=torch.int32, device=dev)
-    gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl, counters=counters,
-                   dropped=None if direct or counters is None else (topk_ids, out))
+    if direct and cfg.combine_last and K <= 32:
+        counters = torch.empty(cdiv(H, cfg.block_n2), dtype=torch.int32, device=dev)
+    gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl, counters=counters)
     # Per-slot expert outputs (routing weight applied, rounded once to the input dtype, as vLLM
     # does; float32 for float32 inputs); the combine sums them in float32 in a fixed order.
     y = torch.empty(n_slots, H, dtype=hidden.dtype, device=dev)
@@ -72,13 +63,11 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     return (out, z) if save_z else out
 
 
-def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False, counters=None,
-                   dropped=None):
+def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False, counters=None):
     """act[row] = SwiGLU(W13_e x_t) over the aligned rows (gathering token rows through the slot
     table); with `z` ([T*K, 2I]) also the pre-activation per slot. `counters` (int32): zeroed
     for the down kernel's combine_last (after the PDL wait: the buffer may be memory that the
-    kernel before was still using). `dropped` = (topk_ids, out), aligned rows with the
-    folded combine: program 0 also writes the zero rows of out of tokens without a valid id."""
+    kernel before was still using)."""
     H = hidden.shape[1]
     I = act.shape[1]
     n_blocks = al.max_rows // cfg.block_m
@@ -94,11 +83,6 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
     direct = _direct_args(al, w13.shape[0])
     cnt = {} if counters is None else dict(counters_ptr=counters, n_counters=counters.numel(),
                                            BLOCK_C=next_pow2(counters.numel()))
-    if dropped is not None:
-        ids, out = dropped
-        cnt.update(ids_ptr=ids, stride_ik=ids.stride(1), n_experts=w13.shape[0], out_ptr=out,
-                   n_tokens=out.shape[0], stride_it=ids.stride(0), stride_ot=out.stride(0),
-                   stride_oh=out.stride(1), BLOCK_T=next_pow2(out.shape[0]))
     kernel_for(gate_up_kernel, hidden.device)[(n_blocks * cdiv(I, cfg.block_n1),)](
         hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, top_k,
@@ -121,9 +105,8 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     forward's down GEMM, and in the backward dA = dO W2_e and dx = dz W13_e. With `tma`, W_e's
     tiles come through a tensor descriptor of `w` when its layout allows one ([E, N, K] or
     [E, K, N] storage with 16-byte aligned rows). `half_tail`: tail row blocks with at most
-    block_m/2 valid rows run a half-height tile. `combine` = (counters, out, topk_ids): the
-    last program per (token, N tile) also sums the token's K rows into out ([T, N]); counters
-    [N tiles] for direct rows (T == 1), [T, N tiles] for aligned rows."""
+    block_m/2 valid rows run a half-height tile. `combine` = (counters, out, topk_ids), direct
+    rows only: the last program per N tile also sums the K rows into out ([1, N])."""
     bm = al.block_m
     n_blocks = al.max_rows // bm
     tw = weights if weights is not None else y
@@ -137,15 +120,11 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     direct = _direct_args(al, w.shape[0])
     comb = {}
     if combine is not None:
+        if not direct:
+            raise ValueError("the folded combine needs direct rows (T == 1)")
         counters, out, ids = combine
         comb = dict(counters_ptr=counters, out_ptr=out, stride_oh=out.stride(1),
-                    FENCE=_compiled_code(a.device))
-        if direct:
-            comb.update(COMBINE_K=ids.shape[1])
-        else:
-            comb.update(ids_ptr=ids, stride_ik=ids.stride(1), stride_it=ids.stride(0),
-                        n_experts=w.shape[0], stride_ot=out.stride(0),
-                        COMBINE_ROWS=ids.shape[1], BLOCK_KC=next_pow2(ids.shape[1]))
+                    COMBINE_K=ids.shape[1], FENCE=_compiled_code(a.device))
     kernel_for(down_kernel, a.device)[(n_blocks * cdiv(N, block_n),)](
         a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, N, K_red, top_k,

@@ -41,15 +41,18 @@ def _compile_all(cc, launches):
     return out
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("T", [1, 2048])
+@pytest.mark.parametrize("name,T", [(n, T) for T in (1, 2048) for n in SHAPES]
+                         + [("mixtral_8x7b", 8192)])
 def test_heuristic_configs_compile(compile_check, name, T):
     """Forward and backward of the heuristic's bf16 config: every kernel compiles; at 128-row
-    blocks the gate+up and down GEMMs issue wgmma and take their weight tiles by TMA."""
+    blocks the gate+up and down GEMMs issue wgmma and take their weight tiles by TMA, and the
+    weight gradients issue wgmma (the persistent kernel, under 1024 rows per expert: TMA loads
+    and stores; the per-tile kernel above)."""
     H, I, E, K = SHAPES[name]
     cfg = heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16)
     launches = compile_check.forward_launches((H, I, E, K), 1 if cfg.direct else 16, cfg,
-                                              torch.bfloat16, backward=T > 1)
+                                              torch.bfloat16, backward=T > 1,
+                                              rows_per_expert=T * K / E)
     got = _compile_all(compile_check, launches)
     assert "gate_up_kernel" in got
     if cfg.block_m == 128:
@@ -57,7 +60,9 @@ def test_heuristic_configs_compile(compile_check, name, T):
         for kname in ("gate_up_kernel", "down_kernel"):
             fwd = got[kname][0]
             assert fwd.wgmma > 0 and fwd.tma > 0, (kname, fwd.wgmma, fwd.tma)
-        assert "weight_grad_kernel" in got and got["weight_grad_kernel"][0].wgmma > 0
+        wg = "weight_grad_persistent_kernel" if T * K / E < 1024 else "weight_grad_kernel"
+        assert wg in got and all(c.wgmma > 0 for c in got[wg]), sorted(got)
+        assert wg == "weight_grad_kernel" or all(c.tma > 0 for c in got[wg])
     if T == 1:
         assert cfg.fuse_combine == ("down_combine_one_token_kernel" in got)
         assert "combine_kernel" not in got   # folded or done by the down kernel's last program

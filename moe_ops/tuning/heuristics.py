@@ -232,9 +232,11 @@ def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
         # float32 tiles take twice the shared memory per stage.
         return replace(cfg, wg_n=128, wg_k=32, dx_n=128, dx_k=32, da_n=128, da_k=32, num_stages=3)
     # Persistent weight gradients (3 stages: the store's staging tile takes the 4th) pay where
-    # an expert's tiles have few 64-row steps: at T = 8192 (NOTES.md, entry 19) DeepSeek-V3
-    # (256 rows per expert) 18.3 -> 15.4 ms, Qwen3 (512) 1.42 -> 1.34; OLMoE (1024) even;
-    # Mixtral (2048) 9.85 -> 10.76, where the per-tile kernel's 32-step loops already stream.
+    # an expert's tiles have few 64-row steps (NOTES.md, entry 19; backward ms, per-tile ->
+    # persistent, by mean rows per expert): DeepSeek-V3 64: 18.09 -> 14.17, 256: 31.46 -> 28.80;
+    # Qwen3 128: 1.38 -> 1.16, 512: 3.20 -> 3.06; Mixtral 512: 6.28 -> 6.21. At 1024 and above
+    # the per-tile kernel's longer loops win: OLMoE 1024 even, DeepSeek-V3 1024: 88.65 -> 96.86,
+    # Mixtral 2048: 19.54 -> 20.83, OLMoE 4096: 13.25 -> 13.62.
     if 0 < rows_per_expert < 1024:
         cfg = replace(cfg, wg_persistent=True, wg_stages=3)
     return cfg

@@ -37,11 +37,7 @@ def variants(base):
         "wg persistent": r(base, wg_persistent=not base.wg_persistent, wg_stages=3),
         "wg persistent s2": r(base, wg_persistent=True, wg_stages=2),
         "wg persistent 128x128 s4": r(base, wg_persistent=True, wg_n=128, wg_stages=4),
-        "wg persistent st s4": r(base, wg_persistent=True, wg_store_tma=False, wg_stages=4),
         "wg persistent k32 s6": r(base, wg_persistent=True, wg_k=32, wg_stages=6),
-        "wg persistent st k32 s8": r(base, wg_persistent=True, wg_store_tma=False, wg_k=32,
-                                     wg_stages=8),
-        "wg k32": r(base, wg_k=32, num_stages=6),
     }
 
 

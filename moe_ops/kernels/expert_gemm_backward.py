@@ -140,10 +140,9 @@ def weight_grad_kernel(
 
 @triton.jit
 def weight_grad_persistent_kernel(
-    l_desc, r_desc, o_desc, expert_ends_ptr, M, N, E, n_rows, out_ptr, stride_oe, stride_om,
+    l_desc, r_desc, o_desc, expert_ends_ptr, M, N, E, n_rows,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STORE_TMA: tl.constexpr = True,
 ):
     """weight_grad_kernel's sums (the same rows in the same order, the same tile shape, so the
     same float32 sums) with NUM_PROGRAMS programs, each walking output tiles pid,
@@ -153,8 +152,7 @@ def weight_grad_persistent_kernel(
     do: weight gradients have few reduction steps per tile (4-8 at T = 8192) and a large output.
     L ([rows, M]), R ([rows, N]) and out ([E, M, N]) come through tensor descriptors (blocks
     [BLOCK_K, BLOCK_M], [BLOCK_K, BLOCK_N], [1, BLOCK_M, BLOCK_N]: edges zero-filled on load,
-    clipped on store; STORE_TMA=False: plain stores from registers into out_ptr, which leaves the
-    shared memory of the tile's staging buffer to one more pipeline stage). Each expert's first row and step count (BLOCK_K steps up to the first
+    clipped on store). Each expert's first row and step count (BLOCK_K steps up to the first
     past its valid rows, at least one) sit in registers, one expert per lane of a [BLOCK_E]
     vector (E <= BLOCK_E): a global load inside the loop would stop Triton from pipelining it.
     An expert without rows takes its one step at row n_rows, past the end of L and R, where the
@@ -195,16 +193,7 @@ def weight_grad_persistent_kernel(
             # the accumulator is zeroed here, after the store, not before the product: Triton
             # keeps Hopper's products in flight across steps only when the accumulator is
             # touched on the epilogue branch alone
-            if STORE_TMA:
-                o_desc.store([e, m0, n0],
-                             tl.reshape(acc.to(o_desc.dtype), (1, BLOCK_M, BLOCK_N)))
-            else:
-                offs_m = m0 + tl.arange(0, BLOCK_M)
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                tl.store(out_ptr + e.to(tl.int64) * stride_oe
-                         + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-                         acc.to(out_ptr.dtype.element_ty),
-                         mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+            o_desc.store([e, m0, n0], tl.reshape(acc.to(o_desc.dtype), (1, BLOCK_M, BLOCK_N)))
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         tile = tl.where(last, tile + NUM_PROGRAMS, tile)
         step = tl.where(last, 0, step + 1)

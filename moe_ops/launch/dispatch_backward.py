@@ -162,8 +162,8 @@ def _weight_grad_persistent(left, right, out, al, bc, prec, bk):
     n_tiles = E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n)
     programs = min(_num_programs(out.device), n_tiles)
     kernel_for(weight_grad_persistent_kernel, out.device)[(programs,)](
-        l_desc, r_desc, o_desc, al.expert_ends, M, N, E, rows, out, out.stride(0), out.stride(1),
+        l_desc, r_desc, o_desc, al.expert_ends, M, N, E, rows,
         BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, BLOCK_E=next_pow2(E),
-        NUM_PROGRAMS=programs, DOT_PRECISION=prec, STORE_TMA=bc.wg_store_tma,
+        NUM_PROGRAMS=programs, DOT_PRECISION=prec,
         num_warps=bc.wg_warps, num_stages=bc.wg_stages or bc.num_stages,
     )

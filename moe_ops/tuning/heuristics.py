@@ -212,7 +212,6 @@ class BackwardConfig:
     wg_trim: bool = True  # weight gradients stop at the expert's valid rows (not its padding)
     wg_persistent: bool = False  # weight gradients: one program per SM walking output tiles
     wg_stages: int = 0    # pipeline stages of the persistent weight-gradient loop (0: num_stages)
-    wg_store_tma: bool = True  # persistent weight gradients: tiles stored by TMA (else st.global)
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,

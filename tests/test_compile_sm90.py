@@ -82,20 +82,3 @@ def test_path_switches_compile(compile_check):
             launches = compile_check.forward_launches((H, I, E, K), 1 if cfg.direct else 16,
                                                       cfg, dtype)
             _compile_all(compile_check, launches)
-
-
-def test_backward_row_tiles_by_descriptor_compile(compile_check, monkeypatch):
-    """BackwardConfig.tma_a (dA and dx row tiles by TMA) compiles without half-height tiles, where
-    the never-taken half-tile branch still has to compile (it once met a missing descriptor)."""
-    import dataclasses
-
-    import moe_ops.tuning.heuristics as hz
-
-    H, I, E, K = SHAPES["qwen3_30b_a3b"]
-    base_bwd = hz.backward_config
-    monkeypatch.setattr(hz, "backward_config", lambda *a, **k: dataclasses.replace(
-        base_bwd(*a, **k), tma_a=True))
-    cfg = heuristic_config(2048, E, K, H, I, "cuda", torch.bfloat16)
-    got = _compile_all(compile_check, compile_check.forward_launches(
-        (H, I, E, K), 16, cfg, torch.bfloat16, backward=True, rows_per_expert=2048 * K / E))
-    assert all(c.tma > 0 for c in got["down_kernel"])

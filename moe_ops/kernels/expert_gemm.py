@@ -237,8 +237,7 @@ def down_kernel(
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                   n_experts, DIRECT, USE_PDL, BLOCK_M // 2, a_desc_half,
-                   A_TMA and HALF_TAIL)
+                   n_experts, DIRECT, USE_PDL, BLOCK_M // 2, a_desc_half, A_TMA)
     else:
         down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,

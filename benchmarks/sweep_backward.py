@@ -38,8 +38,6 @@ def variants(base):
         "wg persistent s2": r(base, wg_persistent=True, wg_stages=2),
         "wg persistent 128x128 s4": r(base, wg_persistent=True, wg_n=128, wg_stages=4),
         "wg persistent k32 s6": r(base, wg_persistent=True, wg_k=32, wg_stages=6),
-        "tma a": r(base, tma_a=not base.tma_a),
-        "tma a+w": r(base, tma_a=True, tma=True),
     }
 
 

@@ -314,36 +314,3 @@ def test_weight_grad_persistent_matches_per_tile(name, routing):
         assert rel_err(got[True][i], ref[i]) <= BWD_RTOL[torch.bfloat16], label
     del got, ref
     torch.cuda.empty_cache()
-
-
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_backward_row_tiles_by_descriptor(name):
-    """BackwardConfig.tma_a (the dA and dx GEMMs take their dO / dz row tiles by TMA, padding
-    rows included, never stored): gradients bitwise equal to the pointer-load path, NaN-poisoned
-    scratch, and near the float32 reference."""
-    import dataclasses
-
-    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
-    from moe_ops.reference import dispatch_backward_reference
-    from moe_ops.tuning.heuristics import backward_config, dispatch_config
-
-    T = 2048
-    E = 64 if name == "deepseek_v3_routed" else None
-    hidden, w13, w2, tw, ids = _inputs(name, T, torch.bfloat16, routing="negative", seed=41,
-                                       num_experts=E)
-    go = torch.randn(T, hidden.shape[1], device="cuda", dtype=torch.bfloat16)
-    E, H, I = w2.shape
-    K = ids.shape[1]
-    cfg = dispatch_config(T, E, K, H, I, "cuda", torch.bfloat16)
-    bc = backward_config(cfg, "cuda", torch.bfloat16, rows_per_expert=T * K / E)
-    got = {}
-    for ta in (False, True):
-        _poison_allocator()
-        got[ta] = dispatch_backward_triton(go, hidden, w13, w2, tw, ids, config=cfg,
-                                           bwd_config=dataclasses.replace(bc, tma_a=ta))
-    ref = dispatch_backward_reference(go, hidden, w13, w2, tw, ids)
-    for i, label in enumerate(("hidden", "w13", "w2", "topk_weights")):
-        assert torch.equal(got[True][i], got[False][i]), label
-        assert rel_err(got[True][i], ref[i]) <= BWD_RTOL[torch.bfloat16], label
-    del got, ref
-    torch.cuda.empty_cache()

@@ -49,7 +49,6 @@ class TestTableFormat(TestCase):
      "num_warps": 4,
      "pdl": false,
      "tma": false,
-     "tma_act": false,
      "tma_pair": false
     }
    },

@@ -207,16 +207,11 @@ def down_kernel(
     TMA_LAYOUT: tl.constexpr = 0, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, out_ptr=None, stride_oh=0,
-    COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False, a_desc=None, a_desc_half=None,
-    A_TMA: tl.constexpr = False,
+    COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
     contiguous, block [1, BLOCK_K, BLOCK_N]; w2 for dA, w13 for dx).
-    A_TMA: the row tiles of `act` (contiguous, aligned-row order) come through `a_desc` (block
-    [BLOCK_M, BLOCK_K]; `a_desc_half` [BLOCK_M/2, BLOCK_K] for half-height tail tiles) instead
-    of masked pointer loads: padding rows then hold whatever the buffer holds, which reaches
-    only their own accumulator rows, never stored.
     COMBINE_K = K > 0 (T == 1 with direct rows): the combine happens here. Each of the K
     programs of an H tile stores its slot's row, then counts itself in counters[pid_n] (zeroed by
     this call's gate_up kernel); the one that counts last sums the K rows in order 0..K-1 in
@@ -237,13 +232,13 @@ def down_kernel(
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                   n_experts, DIRECT, USE_PDL, BLOCK_M // 2, a_desc_half, A_TMA)
+                   n_experts, DIRECT, USE_PDL, BLOCK_M // 2)
     else:
         down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                   n_experts, DIRECT, USE_PDL, BLOCK_M, a_desc, A_TMA)
+                   n_experts, DIRECT, USE_PDL, BLOCK_M)
     if COMBINE_K > 0:
         combine_last(y_ptr, ids_ptr, counters_ptr, out_ptr, pid_n, H, n_experts, stride_ik,
                      stride_ym, stride_oh, BLOCK_N, COMBINE_K, FENCE)
@@ -281,8 +276,7 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                stride_tw_k, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                w_desc, TMA_LAYOUT: tl.constexpr, ids_ptr, stride_ik, n_experts,
-               DIRECT: tl.constexpr, PDL_LATE: tl.constexpr, TILE_M: tl.constexpr,
-               a_desc=None, A_TMA: tl.constexpr = False):
+               DIRECT: tl.constexpr, PDL_LATE: tl.constexpr, TILE_M: tl.constexpr):
     """down_kernel's work on the first TILE_M rows of row block pid_m."""
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
                                           stride_ik, n_experts, BLOCK_M, DIRECT, TILE_M)
@@ -298,10 +292,7 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
     e32 = e.to(tl.int32)
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
-        if A_TMA:
-            a = a_desc.load([(pid_m * BLOCK_M).to(tl.int32), k0])
-        else:
-            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
         if TMA_LAYOUT == 1:
             b = tl.trans(tl.reshape(w_desc.load([e32, n0, k0]), (BLOCK_N, BLOCK_K)))
         elif TMA_LAYOUT == 2:

@@ -57,7 +57,6 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, H, I, n_slots, K,
                      cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, cfg.group_m,
                      weights=topk_weights, tma=cfg.tma, pdl=cfg.pdl, half_tail=cfg.half_tail,
-                     tma_a=cfg.tma_act and not direct,
                      combine=None if counters is None else (counters, out, topk_ids))
     if counters is None:
         combine_triton(y, topk_ids, out, E, pdl=cfg.pdl)
@@ -99,7 +98,7 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
 
 def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
                      num_warps, num_stages, group_m=8, weights=None, tma=False, pdl=False,
-                     half_tail=False, combine=None, tma_a=False):
+                     half_tail=False, combine=None):
     """y[slot] = (weights[slot] *) a[row] @ W_e^T ([N]) for the aligned rows: `a` is contiguous in
     aligned-row order ([max_rows, K_red]); W_e[n, k] = w[e*w_strides[0] + n*w_strides[1] +
     k*w_strides[2]] (any layout); y is per slot ([T*K, N], rows of ids < 0 unwritten). The
@@ -107,8 +106,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     tiles come through a tensor descriptor of `w` when its layout allows one ([E, N, K] or
     [E, K, N] storage with 16-byte aligned rows). `half_tail`: tail row blocks with at most
     block_m/2 valid rows run a half-height tile. `combine` = (counters, out, topk_ids), direct
-    rows only: the last program per N tile also sums the K rows into out ([1, N]). `tma_a`: the
-    row tiles of `a` through tensor descriptors too (where its layout allows one)."""
+    rows only: the last program per N tile also sums the K rows into out ([1, N])."""
     bm = al.block_m
     n_blocks = al.max_rows // bm
     tw = weights if weights is not None else y
@@ -120,12 +118,6 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     if w_desc is None:
         layout = 0
     direct = _direct_args(al, w.shape[0])
-    ht = _half_tail(half_tail, al)
-    a_desc = weight_desc(a, [bm, block_k]) if tma_a else None
-    a_args = {}
-    if a_desc is not None:
-        a_args = dict(a_desc=a_desc, A_TMA=True,
-                      a_desc_half=weight_desc(a, [bm // 2, block_k]) if ht else None)
     comb = {}
     if combine is not None:
         if not direct:
@@ -140,7 +132,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         tw.stride(0), tw.stride(1), y.stride(0), n_blocks, N,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
-        w_desc=w_desc, TMA_LAYOUT=layout, **direct, HALF_TAIL=ht, **a_args,
+        w_desc=w_desc, TMA_LAYOUT=layout, **direct, HALF_TAIL=_half_tail(half_tail, al),
         **comb, num_warps=num_warps, num_stages=num_stages, **_pdl_args(pdl, a.device),
     )
 

@@ -25,7 +25,6 @@ class DispatchConfig:
     tma_pair: bool = False  # with tma: gate and up weight tiles in one copy, one product
     half_tail: bool = False  # tail row blocks (<= block_m/2 valid rows) on a half-height tile
     combine_last: bool = False  # T == 1, direct rows: the down kernel's last program combines
-    tma_act: bool = False  # aligned rows: the down GEMM's activation tiles through descriptors
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -176,8 +175,6 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
                                                                      half_tail=not base.half_tail)
     if base.tma:
         cands["tma unpaired" if base.tma_pair else "tma pair"] = r(base, tma_pair=not base.tma_pair)
-    if base.block_m >= 64:
-        cands["no tma act" if base.tma_act else "tma act"] = r(base, tma_act=not base.tma_act)
     if base.block_m == 128:
         cands["s3" if base.num_stages != 3 else "s4"] = r(
             base, num_stages=3 if base.num_stages != 3 else 4)
@@ -215,7 +212,6 @@ class BackwardConfig:
     wg_trim: bool = True  # weight gradients stop at the expert's valid rows (not its padding)
     wg_persistent: bool = False  # weight gradients: one program per SM walking output tiles
     wg_stages: int = 0    # pipeline stages of the persistent weight-gradient loop (0: num_stages)
-    tma_a: bool = False   # dA and dx: the row tiles of dO / dz through tensor descriptors
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,

@@ -217,8 +217,9 @@ def _direct_args(al, n_experts) -> dict:
 
 
 def weight_desc(w, block_shape, shape=None, strides=None):
-    """A tensor-memory-access descriptor of the [E, ., .] weight `w` (or of the view of its
-    storage given by `shape` and `strides`) with `block_shape`, or None when the layout does not
+    """A tensor-memory-access descriptor of `w` (an [E, ., .] weight; the backward's weight
+    gradients also pass row-ordered activations and gradients), or of the view of its storage
+    given by `shape` and `strides`, with `block_shape`, or None when the layout does not
     allow one (TMA needs a contiguous last dimension and 16-byte aligned base and strides) or
     the GPU has no tensor memory accelerator (before sm_90: the pointer path, as measured there
     before TMA). The interpreter takes descriptors (its tests cover the TMA path on CPU)."""

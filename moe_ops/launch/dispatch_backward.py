@@ -10,6 +10,8 @@ Scratch during backward, per aligned row: hidden and grad_out gathered into row 
 dtype."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
@@ -18,7 +20,7 @@ from moe_ops.kernels.expert_gemm_backward import (gather_rows_kernel, swiglu_gra
                                                   weight_grad_persistent_kernel)
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import (_dot_precision, combine_triton, gate_up_triton,
-                                     rows_gemm_triton)
+                                     rows_gemm_triton, weight_desc)
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
 
@@ -110,8 +112,8 @@ def weight_grad_triton(left, right, out, al, bc, prec):
     if al.block_m % bk:
         raise ValueError(f"weight-gradient step {bk} must divide block_m {al.block_m}")
     if (bc.wg_persistent and bc.wg_trim and E <= _MAX_PERSISTENT_EXPERTS
-            and _persistent_ok(left, right, out)):
-        return _weight_grad_persistent(left, right, out, al, bc, prec, bk)
+            and _weight_grad_persistent(left, right, out, al, bc, prec, bk)):
+        return
     kernel_for(weight_grad_kernel, out.device)[
             (E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n),)](
         left, right, out, al.expert_ends, M, N, E,
@@ -121,49 +123,33 @@ def weight_grad_triton(left, right, out, al, bc, prec):
     )
 
 
-def _persistent_ok(*tensors) -> bool:
-    """Tensor descriptors of these contiguous 16-bit tensors are legal (16-byte aligned base and
-    row strides) and the device has tensor-memory copies (sm_90+, or the interpreter)."""
-    t0 = tensors[0]
-    if t0.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    for t in tensors:
-        if not t.is_contiguous() or t.data_ptr() % 16 or (t.shape[-1] * t.element_size()) % 16:
-            return False
-    if t0.device.type == "cuda":
-        return torch.cuda.get_device_capability(t0.device)[0] >= 9
-    return True
-
-
-def _num_programs(device) -> int:
-    if device.type != "cuda":
-        return 3   # the interpreter: a few programs, each walking several tiles
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-_SM_COUNTS: dict = {}
 _MAX_PERSISTENT_EXPERTS = 1024   # the persistent kernel keeps one expert per lane of a vector
 
 
-def _sm_count(index: int) -> int:
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+@functools.lru_cache(maxsize=None)
+def _num_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 3   # the interpreter: a few programs, each walking several tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _weight_grad_persistent(left, right, out, al, bc, prec, bk):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+def _weight_grad_persistent(left, right, out, al, bc, prec, bk) -> bool:
+    """weight_grad_triton on the persistent kernel, if it applies: 16-bit operands whose tensor
+    descriptors are legal here (weight_desc: 16-byte aligned rows, sm_90+ or the interpreter).
+    Returns whether it ran."""
+    if left.dtype not in (torch.bfloat16, torch.float16):
+        return False
     E, M, N = out.shape
-    rows = left.shape[0]
-    l_desc = TensorDescriptor(left, [rows, M], [M, 1], [bk, bc.wg_m])
-    r_desc = TensorDescriptor(right, [rows, N], [N, 1], [bk, bc.wg_n])
-    o_desc = TensorDescriptor(out, [E, M, N], [M * N, N, 1], [1, bc.wg_m, bc.wg_n])
+    descs = (weight_desc(left, [bk, bc.wg_m]), weight_desc(right, [bk, bc.wg_n]),
+             weight_desc(out, [1, bc.wg_m, bc.wg_n]))
+    if any(d is None for d in descs):
+        return False
     n_tiles = E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n)
     programs = min(_num_programs(out.device), n_tiles)
     kernel_for(weight_grad_persistent_kernel, out.device)[(programs,)](
-        l_desc, r_desc, o_desc, al.expert_ends, M, N, E, rows,
+        *descs, al.expert_ends, M, N, E, left.shape[0],
         BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, BLOCK_E=next_pow2(E),
         NUM_PROGRAMS=programs, DOT_PRECISION=prec,
         num_warps=bc.wg_warps, num_stages=bc.wg_stages or bc.num_stages,
     )
+    return True

@@ -6,8 +6,8 @@ expert histogram), then place: every program reads the whole [P, E] histogram (f
 the per-expert padded starts and its own per-expert bases, scatters its span (each slot's row =
 its base for its expert + its rank among earlier slots of that expert in the span) and writes its
 share of the block -> expert table and of the padding sentinels (program 0 also the padded row
-count and the expert ends, padded and valid). Ranks come from a one-hot cumulative sum, so the order within an
-expert is the slot order and the result is the same on every run. Layout:
+count and the expert ends, padded and valid). Ranks come from a one-hot cumulative sum, so the
+order within an expert is the slot order and the result is the same on every run. Layout:
 moe_ops/reference/alignment.py. (A one-program scan between count and scatter, with the
 sentinels in a BLOCK_M-step loop, took 26-59 us at T = 2048-8192: NOTES.md, entry 18.)"""
 import triton

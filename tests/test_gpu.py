@@ -314,3 +314,46 @@ def test_weight_grad_persistent_matches_per_tile(name, routing):
         assert rel_err(got[True][i], ref[i]) <= BWD_RTOL[torch.bfloat16], label
     del got, ref
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "empty_experts"])
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("T", [512, 2048])
+def test_rows_gemm_persistent_matches_per_tile(name, routing, T):
+    """The persistent row GEMM (one program per SM walking (row block, column tile) pairs) sums
+    each tile in the per-tile kernel's order: the forward's output (down GEMM) and the backward's
+    gradients (dA and dx) must be bitwise equal with full-height tiles on both sides, and near
+    the float32 reference."""
+    import dataclasses
+
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+    from moe_ops.reference import dispatch_backward_reference
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    E = 64 if name == "deepseek_v3_routed" else None
+    hidden, w13, w2, tw, ids = _inputs(name, T, torch.bfloat16, routing=routing, seed=22,
+                                       num_experts=E)
+    go = torch.randn(T, hidden.shape[1], device="cuda", dtype=torch.bfloat16)
+    cfg = dataclasses.replace(
+        dispatch_config(T, w2.shape[0], ids.shape[1], w2.shape[1], w2.shape[2], "cuda",
+                        torch.bfloat16), half_tail=False)
+    bc = dataclasses.replace(backward_config(cfg, "cuda", torch.bfloat16), tma=True,
+                             half_tail=False, da_n=128)
+    out, grads = {}, {}
+    for persistent in (False, True):
+        c = dataclasses.replace(cfg, down_persistent=persistent)
+        b = dataclasses.replace(bc, rows_persistent=persistent)
+        _poison_allocator()
+        out[persistent] = dispatch_triton(hidden, w13, w2, tw, ids, config=c)
+        grads[persistent] = dispatch_backward_triton(go, hidden, w13, w2, tw, ids, config=c,
+                                                     bwd_config=b)
+    assert torch.equal(out[True], out[False])
+    ref = _oracle(hidden, w13, w2, tw, ids)
+    assert rel_err(out[True], ref) <= GPU_RTOL[torch.bfloat16]
+    gref = dispatch_backward_reference(go, hidden, w13, w2, tw, ids)
+    for i, label in enumerate(("hidden", "w13", "w2", "topk_weights")):
+        assert torch.equal(grads[True][i], grads[False][i]), label
+        assert rel_err(grads[True][i], gref[i]) <= BWD_RTOL[torch.bfloat16], label
+    del out, grads, ref, gref
+    torch.cuda.empty_cache()

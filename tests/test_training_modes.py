@@ -776,3 +776,56 @@ def test_weight_grad_persistent_matches_per_tile(interpreter, routing):
             assert torch.equal(a, torch.zeros_like(a)), (seed, name)
         else:
             assert rel_err(a, r) <= GRAD_TOL[torch.float16], (seed, name, rel_err(a, r))
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. the persistent row GEMM (interpreted: the forward's down GEMM, the backward's dA and dx)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("routing", ["uniform", "mixed", "one_expert", "skewed"])
+def test_rows_gemm_persistent_matches_per_tile(interpreter, routing, dtype, monkeypatch):
+    """Three programs walk every (row block, column tile) of the down GEMM, dA and dx, two tiles
+    per flat loop (so each program runs several loops, and tiles of several experts share one):
+    bitwise the per-tile kernel's output (same tile, same reduction order) and gradients, and
+    near float64. Full-height tiles on both sides (half_tail off)."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch as dp
+    import moe_ops.launch.dispatch_backward as db
+    from moe_ops.reference.dispatch import dispatch_reference
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    T, H, I, E, K = 24, 48, 40, 5, 2
+    args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed, dtype=dtype)
+    go = torch.randn(T, H, generator=g).to(dtype)
+    cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", dtype), tma=True)
+    bc = dataclasses.replace(backward_config(cfg, "cpu", dtype), tma=True)
+    monkeypatch.setattr(dp, "_PERSISTENT_TILES", 2)
+    launched = []
+    kernel_for = dp.kernel_for
+
+    def spy(kernel, device):
+        launched.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
+        return kernel_for(kernel, device)
+
+    monkeypatch.setattr(dp, "kernel_for", spy)
+    outs, grads = {}, {}
+    for persistent in (False, True):
+        launched.clear()
+        c = dataclasses.replace(cfg, down_persistent=persistent)
+        b = dataclasses.replace(bc, rows_persistent=persistent)
+        outs[persistent] = dp.dispatch_triton(*args, config=c)
+        grads[persistent] = db.dispatch_backward_triton(go, *args, config=c, bwd_config=b)
+        n = launched.count("rows_gemm_persistent_kernel")
+        assert n == (3 if persistent else 0), (seed, launched)   # down, dA, dx
+    assert torch.equal(outs[True], outs[False]), seed
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(outs[True], dispatch_reference(*_double(args))) <= tol, seed
+    ref = dispatch_backward_reference(go.double(), *_double(args))
+    for name, a, b, r in zip(NAMES, grads[True], grads[False], ref):
+        assert torch.equal(a, b), (seed, name)
+        if r.norm() > 0:
+            assert rel_err(a, r) <= GRAD_TOL[dtype], (seed, name, rel_err(a, r))

@@ -313,6 +313,84 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
              acc.to(y_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
 
 
+
+@triton.jit
+def rows_gemm_persistent_kernel(
+    a_ptr, w_desc, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+    n_slots, N, K_red, top_k, stride_am, stride_tw_t, stride_tw_k, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_J: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr = True, TMA_LAYOUT: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = False,
+):
+    """down_kernel's sums (the same tile, the same reduction order, so bitwise its output on
+    full-height tiles) with NUM_PROGRAMS programs, each walking the output tiles pid,
+    pid + NUM_PROGRAMS, ... (grouped order over the row blocks below the device-side row count)
+    in flat loops of BLOCK_K steps, so the software pipeliner overlaps a tile's last products
+    and epilogue with the next tile's first loads: a program per tile cannot, and the forward's
+    down GEMM has few steps per tile on the many-expert shapes (12 at I = 768). W_e's tiles come
+    through `w_desc` (TMA_LAYOUT 1: [E, N, K] storage, block [1, BLOCK_N, BLOCK_K]; 2: [E, K, N],
+    block [1, BLOCK_K, BLOCK_N]). The experts of BLOCK_J tiles at a time are loaded into a
+    register vector before each flat loop (one loop per BLOCK_J tiles): a global load inside the
+    loop would stop Triton from pipelining it."""
+    pid = tl.program_id(0)
+    if USE_PDL:
+        gdc_wait()
+    num_rows = tl.load(num_rows_ptr)
+    n_blocks = tl.cdiv(num_rows, BLOCK_M)
+    n_tiles = n_blocks * tl.cdiv(N, BLOCK_N)
+    n_k = tl.cdiv(K_red, BLOCK_K)
+    my_tiles = tl.where(pid < n_tiles, tl.cdiv(n_tiles - pid, NUM_PROGRAMS), 0)
+    offs_j = tl.arange(0, BLOCK_J)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_bn = tl.arange(0, BLOCK_N)
+    for c0 in range(0, my_tiles, BLOCK_J):
+        t_j = pid + (c0 + offs_j) * NUM_PROGRAMS
+        pm_j, _ = grouped_tile(t_j, n_blocks, N, BLOCK_N, GROUP_M)
+        e_j = tl.load(block_expert_ptr + pm_j, mask=c0 + offs_j < my_tiles, other=0).to(tl.int32)
+        n_steps = tl.minimum(my_tiles - c0, BLOCK_J) * n_k
+        j = 0
+        kk = 0
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for _ in range(n_steps):
+            pid_m, pid_n = grouped_tile(pid + (c0 + j) * NUM_PROGRAMS, n_blocks, N, BLOCK_N,
+                                        GROUP_M)
+            e = tl.sum(tl.where(offs_j == j, e_j, 0))
+            rows64 = (pid_m * BLOCK_M + offs_m).to(tl.int64)
+            k0 = kk * BLOCK_K
+            n0 = pid_n * BLOCK_N
+            k_mask = offs_k < K_red - k0
+            a = tl.load(a_ptr + rows64[:, None] * stride_am + (k0 + offs_k)[None, :],
+                        mask=k_mask[None, :], other=0.0)
+            if TMA_LAYOUT == 1:
+                b = tl.trans(tl.reshape(w_desc.load([e, n0, k0]), (BLOCK_N, BLOCK_K)))
+            else:
+                b = tl.reshape(w_desc.load([e, k0, n0]), (BLOCK_K, BLOCK_N))
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            last = kk == n_k - 1
+            if last:
+                # zeroed after the store, not before the product (as in the persistent
+                # weight-gradient kernel: keeps Hopper's products in flight across steps)
+                slots = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m)
+                row_valid = slots < n_slots
+                slots64 = slots.to(tl.int64)
+                out = acc
+                if HAS_WEIGHTS:
+                    tw = tl.load(weights_ptr + (slots64 // top_k) * stride_tw_t
+                                 + (slots64 % top_k) * stride_tw_k,
+                                 mask=row_valid, other=0.0).to(tl.float32)
+                    out = acc * tw[:, None]
+                offs_n = n0 + offs_bn
+                tl.store(y_ptr + slots64[:, None] * stride_ym + offs_n[None, :],
+                         out.to(y_ptr.dtype.element_ty),
+                         mask=row_valid[:, None] & (offs_n < N)[None, :])
+                acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            j = tl.where(last, j + 1, j)
+            kk = tl.where(last, 0, kk + 1)
+    if USE_PDL:
+        gdc_launch_dependents()
+
 @triton.jit
 def _combine_slot(acc, y_ptr, ids_ptr, toks, t_mask, offs_h, h_mask, k, E, stride_it, stride_ik,
                   stride_ym, TOP_K: tl.constexpr):

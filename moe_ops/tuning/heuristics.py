@@ -25,6 +25,7 @@ class DispatchConfig:
     tma_pair: bool = False  # with tma: gate and up weight tiles in one copy, one product
     half_tail: bool = False  # tail row blocks (<= block_m/2 valid rows) on a half-height tile
     combine_last: bool = False  # T == 1, direct rows: the down kernel's last program combines
+    down_persistent: bool = False  # down GEMM: one program per SM walking the output tiles
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -178,6 +179,9 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
     if base.block_m == 128:
         cands["s3" if base.num_stages != 3 else "s4"] = r(
             base, num_stages=3 if base.num_stages != 3 else 4)
+    if base.block_m >= 64 and base.tma:
+        name = "per-tile down" if base.down_persistent else "persistent down"
+        cands[name] = r(base, down_persistent=not base.down_persistent)
     out = {"heuristic": base}
     seen = {base}
     for name, cfg in cands.items():
@@ -212,6 +216,7 @@ class BackwardConfig:
     wg_trim: bool = True  # weight gradients stop at the expert's valid rows (not its padding)
     wg_persistent: bool = False  # weight gradients: one program per SM walking output tiles
     wg_stages: int = 0    # pipeline stages of the persistent weight-gradient loop (0: num_stages)
+    rows_persistent: bool = False  # dA and dx: one program per SM walking the output tiles
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,

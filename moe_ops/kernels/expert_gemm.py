@@ -321,18 +321,24 @@ def rows_gemm_persistent_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_J: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr = True, TMA_LAYOUT: tl.constexpr = 1,
-    USE_PDL: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     """down_kernel's sums (the same tile, the same reduction order, so bitwise its output on
     full-height tiles) with NUM_PROGRAMS programs, each walking the output tiles pid,
     pid + NUM_PROGRAMS, ... (grouped order over the row blocks below the device-side row count)
-    in flat loops of BLOCK_K steps, so the software pipeliner overlaps a tile's last products
-    and epilogue with the next tile's first loads: a program per tile cannot, and the forward's
-    down GEMM has few steps per tile on the many-expert shapes (12 at I = 768). W_e's tiles come
-    through `w_desc` (TMA_LAYOUT 1: [E, N, K] storage, block [1, BLOCK_N, BLOCK_K]; 2: [E, K, N],
-    block [1, BLOCK_K, BLOCK_N]). The experts of BLOCK_J tiles at a time are loaded into a
-    register vector before each flat loop (one loop per BLOCK_J tiles): a global load inside the
-    loop would stop Triton from pipelining it."""
+    in flat loops of BLOCK_K steps, so the software pipeliner overlaps a tile's epilogue with
+    the next tile's first loads, which a program per tile cannot: the forward's down GEMM has
+    few steps per tile on the many-expert shapes (12 at I = 768). W_e's tiles come through
+    `w_desc` (TMA_LAYOUT 1: [E, N, K] storage, block [1, BLOCK_N, BLOCK_K]; 2: [E, K, N],
+    block [1, BLOCK_K, BLOCK_N]).
+    What keeps the loop body short (the tensor cores idle while a warp works through a chain
+    of dependent integer operations between its products): the (row block, column tile,
+    expert) of BLOCK_J tiles at a time are computed before each flat loop, in two int32 register
+    vectors (row block; column tile << 16 | expert) from which one reduction each per step
+    extracts them; no global load inside the loop (it would stop Triton from pipelining it);
+    the A tile's addresses are a loop-invariant offset tensor plus one scalar; the slots and
+    routing weights a tile's epilogue needs are loaded one tile ahead (in the previous
+    epilogue), so the stores do not wait for them. Needs E < 65536, N / BLOCK_N < 32768."""
     pid = tl.program_id(0)
     if USE_PDL:
         gdc_wait()
@@ -345,24 +351,35 @@ def rows_gemm_persistent_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     offs_bn = tl.arange(0, BLOCK_N)
+    a_offs = offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     for c0 in range(0, my_tiles, BLOCK_J):
-        t_j = pid + (c0 + offs_j) * NUM_PROGRAMS
-        pm_j, _ = grouped_tile(t_j, n_blocks, N, BLOCK_N, GROUP_M)
-        e_j = tl.load(block_expert_ptr + pm_j, mask=c0 + offs_j < my_tiles, other=0).to(tl.int32)
+        in_chunk = c0 + offs_j < my_tiles
+        pm_j, pn_j = grouped_tile(pid + (c0 + offs_j) * NUM_PROGRAMS, n_blocks, N, BLOCK_N,
+                                  GROUP_M)
+        pm_j = tl.where(in_chunk, pm_j, 0)
+        e_j = tl.load(block_expert_ptr + pm_j, mask=in_chunk, other=0).to(tl.int32)
+        ne_j = (pn_j << 16) | e_j
         n_steps = tl.minimum(my_tiles - c0, BLOCK_J) * n_k
+        # the first tile's slots and routing weights (later tiles': loaded one tile ahead)
+        pm0 = tl.sum(tl.where(offs_j == 0, pm_j, 0))
+        slots = tl.load(sorted_ptr + pm0 * BLOCK_M + offs_m)
+        tw = tl.zeros((BLOCK_M,), tl.float32)
+        if HAS_WEIGHTS:
+            tw = tile_weights(weights_ptr, slots, n_slots, top_k, stride_tw_t, stride_tw_k)
         j = 0
         kk = 0
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for _ in range(n_steps):
-            pid_m, pid_n = grouped_tile(pid + (c0 + j) * NUM_PROGRAMS, n_blocks, N, BLOCK_N,
-                                        GROUP_M)
-            e = tl.sum(tl.where(offs_j == j, e_j, 0))
-            rows64 = (pid_m * BLOCK_M + offs_m).to(tl.int64)
+            pid_m = tl.sum(tl.where(offs_j == j, pm_j, 0))
+            ne = tl.sum(tl.where(offs_j == j, ne_j, 0))
+            e = ne & 0xFFFF
+            n0 = (ne >> 16) * BLOCK_N
             k0 = kk * BLOCK_K
-            n0 = pid_n * BLOCK_N
-            k_mask = offs_k < K_red - k0
-            a = tl.load(a_ptr + rows64[:, None] * stride_am + (k0 + offs_k)[None, :],
-                        mask=k_mask[None, :], other=0.0)
+            a_ptrs = a_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_am + k0 + a_offs
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(offs_k < K_red - k0)[None, :], other=0.0)
             if TMA_LAYOUT == 1:
                 b = tl.trans(tl.reshape(w_desc.load([e, n0, k0]), (BLOCK_N, BLOCK_K)))
             else:
@@ -370,26 +387,38 @@ def rows_gemm_persistent_kernel(
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             last = kk == n_k - 1
             if last:
-                # zeroed after the store, not before the product (as in the persistent
-                # weight-gradient kernel: keeps Hopper's products in flight across steps)
-                slots = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m)
                 row_valid = slots < n_slots
-                slots64 = slots.to(tl.int64)
                 out = acc
                 if HAS_WEIGHTS:
-                    tw = tl.load(weights_ptr + (slots64 // top_k) * stride_tw_t
-                                 + (slots64 % top_k) * stride_tw_k,
-                                 mask=row_valid, other=0.0).to(tl.float32)
                     out = acc * tw[:, None]
                 offs_n = n0 + offs_bn
-                tl.store(y_ptr + slots64[:, None] * stride_ym + offs_n[None, :],
+                tl.store(y_ptr + slots.to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
                          out.to(y_ptr.dtype.element_ty),
                          mask=row_valid[:, None] & (offs_n < N)[None, :])
+                # zeroed after the store, not before the product (as in the persistent
+                # weight-gradient kernel: keeps Hopper's products in flight across steps)
                 acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                pm_next = tl.sum(tl.where(offs_j == j + 1, pm_j, 0))
+                slots = tl.load(sorted_ptr + pm_next * BLOCK_M + offs_m)
+                if HAS_WEIGHTS:
+                    tw = tile_weights(weights_ptr, slots, n_slots, top_k, stride_tw_t,
+                                      stride_tw_k)
             j = tl.where(last, j + 1, j)
             kk = tl.where(last, 0, kk + 1)
     if USE_PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def tile_weights(weights_ptr, slots, n_slots, top_k, stride_tw_t, stride_tw_k):
+    """topk_weights of the rows' slots (float32; 0 on padding rows), in int32 index arithmetic
+    (slots < n_slots < 2^31; a 64-bit division is a subroutine call per element)."""
+    valid = slots < n_slots
+    tok = tl.where(valid, slots, 0) // top_k
+    k = tl.where(valid, slots, 0) - tok * top_k
+    return tl.load(weights_ptr + tok.to(tl.int64) * stride_tw_t + k.to(tl.int64) * stride_tw_k,
+                   mask=valid, other=0.0).to(tl.float32)
+
 
 @triton.jit
 def _combine_slot(acc, y_ptr, ids_ptr, toks, t_mask, offs_h, h_mask, k, E, stride_it, stride_ik,

@@ -121,7 +121,8 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     if w_desc is None:
         layout = 0
     direct = _direct_args(al, w.shape[0])
-    if persistent and layout and not direct and combine is None:
+    if (persistent and layout and not direct and combine is None and w.shape[0] < 1 << 16
+            and cdiv(N, block_n) < 1 << 15):
         n_tiles = n_blocks * cdiv(N, block_n)
         programs = max(1, min(num_programs(a.device), n_tiles))
         kernel_for(rows_gemm_persistent_kernel, a.device)[(programs,)](
@@ -130,8 +131,8 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
             BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
             BLOCK_J=_PERSISTENT_TILES, NUM_PROGRAMS=programs,
             DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
-            TMA_LAYOUT=layout, num_warps=num_warps, num_stages=num_stages,
-            **_pdl_args(pdl, a.device),
+            TMA_LAYOUT=layout, EVEN_K=K_red % block_k == 0, num_warps=num_warps,
+            num_stages=num_stages, **_pdl_args(pdl, a.device),
         )
         return
     comb = {}

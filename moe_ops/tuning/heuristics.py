@@ -179,7 +179,7 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
     if base.block_m == 128:
         cands["s3" if base.num_stages != 3 else "s4"] = r(
             base, num_stages=3 if base.num_stages != 3 else 4)
-    if base.block_m >= 64 and base.tma:
+    if base.tma and not base.direct:
         name = "per-tile down" if base.down_persistent else "persistent down"
         cands[name] = r(base, down_persistent=not base.down_persistent)
     out = {"heuristic": base}

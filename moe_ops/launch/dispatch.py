@@ -108,8 +108,8 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     [E, K, N] storage with 16-byte aligned rows). `half_tail`: tail row blocks with at most
     block_m/2 valid rows run a half-height tile. `combine` = (counters, out, topk_ids), direct
     rows only: the last program per N tile also sums the K rows into out ([1, N]). `persistent`
-    (with a TMA weight layout, aligned rows, no folded combine): one program per SM walking the
-    output tiles (rows_gemm_persistent_kernel; full-height tiles, half_tail unused)."""
+    (n > 0, with a TMA weight layout, aligned rows, no folded combine): n programs per SM
+    walking the output tiles (rows_gemm_persistent_kernel; full-height tiles, half_tail unused)."""
     bm = al.block_m
     n_blocks = al.max_rows // bm
     tw = weights if weights is not None else y
@@ -124,7 +124,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     if (persistent and layout and not direct and combine is None and w.shape[0] < 1 << 16
             and cdiv(N, block_n) < 1 << 15):
         n_tiles = n_blocks * cdiv(N, block_n)
-        programs = max(1, min(num_programs(a.device), n_tiles))
+        programs = max(1, min(int(persistent) * num_programs(a.device), n_tiles))
         kernel_for(rows_gemm_persistent_kernel, a.device)[(programs,)](
             a, w_desc, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
             n_slots, N, K_red, top_k, a.stride(0), tw.stride(0), tw.stride(1), y.stride(0),

@@ -38,9 +38,6 @@ def variants(base):
         "wg persistent s2": r(base, wg_persistent=True, wg_stages=2),
         "wg persistent 128x128 s4": r(base, wg_persistent=True, wg_n=128, wg_stages=4),
         "wg persistent k32 s6": r(base, wg_persistent=True, wg_k=32, wg_stages=6),
-        "rows persistent": r(base, tma=True, rows_persistent=True, da_n=128),
-        "rows tma da128": r(base, tma=True, da_n=128),
-        "rows persistent w4": r(base, tma=True, rows_persistent=True, da_n=128, da_warps=4),
     }
 
 

@@ -70,10 +70,10 @@ def test_heuristic_configs_compile(compile_check, name, T):
 
 def test_path_switches_compile(compile_check):
     """The sweep's code-path switches at a prefill size (TMA pair and unpaired, pointer loads,
-    half tiles off, the persistent down GEMM) and at T == 1 (separate combine, pointer loads) compile; float32 (no TMA,
+    half tiles off) and at T == 1 (separate combine, pointer loads) compile; float32 (no TMA,
     32-deep steps) too."""
     H, I, E, K = SHAPES["qwen3_30b_a3b"]
-    words = ("tma", "half", "combine", "persistent")
+    words = ("tma", "half", "combine")
     for T, dtype in ((2048, torch.bfloat16), (1, torch.bfloat16), (2048, torch.float32)):
         base = heuristic_config(T, E, K, H, I, "cuda", dtype)
         for vname, cfg in neighbours(base, dtype).items():
@@ -82,24 +82,3 @@ def test_path_switches_compile(compile_check):
             launches = compile_check.forward_launches((H, I, E, K), 1 if cfg.direct else 16,
                                                       cfg, dtype)
             _compile_all(compile_check, launches)
-
-
-def test_persistent_row_gemm_backward_compiles(compile_check, monkeypatch):
-    """The backward's dA and dx on the persistent row GEMM (TMA weight tiles, 128-wide float32
-    dA tiles: a 256-wide one's epilogue would not fit beside 4 stages) compile within the
-    shared-memory limit, with wgmma and TMA."""
-    import dataclasses
-
-    from moe_ops.tuning import heuristics
-
-    backward_config = heuristics.backward_config
-    monkeypatch.setattr(heuristics, "backward_config", lambda *a, **k: dataclasses.replace(
-        backward_config(*a, **k), tma=True, rows_persistent=True, da_n=128))
-    for name, T in (("qwen3_30b_a3b", 2048), ("deepseek_v3_routed", 8192)):
-        H, I, E, K = SHAPES[name]
-        cfg = heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16)
-        launches = compile_check.forward_launches((H, I, E, K), 16, cfg, torch.bfloat16,
-                                                  backward=True, rows_per_expert=T * K / E)
-        got = _compile_all(compile_check, launches)
-        rows = got["rows_gemm_persistent_kernel"]
-        assert len(rows) == 2 and all(c.wgmma > 0 and c.tma > 0 for c in rows), (name, rows)

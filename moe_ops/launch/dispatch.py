@@ -9,7 +9,7 @@ import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
 from moe_ops.kernels.expert_gemm import (combine_kernel, down_combine_one_token_kernel, down_kernel,
-                                         gate_up_kernel, rows_gemm_persistent_kernel)
+                                         gate_up_kernel)
 from moe_ops.launch.alignment import align_triton
 from moe_ops.tuning.heuristics import dispatch_config
 
@@ -57,8 +57,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, H, I, n_slots, K,
                      cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, cfg.group_m,
                      weights=topk_weights, tma=cfg.tma, pdl=cfg.pdl, half_tail=cfg.half_tail,
-                     combine=None if counters is None else (counters, out, topk_ids),
-                     persistent=cfg.down_persistent)
+                     combine=None if counters is None else (counters, out, topk_ids))
     if counters is None:
         combine_triton(y, topk_ids, out, E, pdl=cfg.pdl)
     return (out, z) if save_z else out
@@ -99,7 +98,7 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
 
 def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
                      num_warps, num_stages, group_m=8, weights=None, tma=False, pdl=False,
-                     half_tail=False, combine=None, persistent=False):
+                     half_tail=False, combine=None):
     """y[slot] = (weights[slot] *) a[row] @ W_e^T ([N]) for the aligned rows: `a` is contiguous in
     aligned-row order ([max_rows, K_red]); W_e[n, k] = w[e*w_strides[0] + n*w_strides[1] +
     k*w_strides[2]] (any layout); y is per slot ([T*K, N], rows of ids < 0 unwritten). The
@@ -107,9 +106,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     tiles come through a tensor descriptor of `w` when its layout allows one ([E, N, K] or
     [E, K, N] storage with 16-byte aligned rows). `half_tail`: tail row blocks with at most
     block_m/2 valid rows run a half-height tile. `combine` = (counters, out, topk_ids), direct
-    rows only: the last program per N tile also sums the K rows into out ([1, N]). `persistent`
-    (n > 0, with a TMA weight layout, aligned rows, no folded combine): n programs per SM
-    walking the output tiles (rows_gemm_persistent_kernel; full-height tiles, half_tail unused)."""
+    rows only: the last program per N tile also sums the K rows into out ([1, N])."""
     bm = al.block_m
     n_blocks = al.max_rows // bm
     tw = weights if weights is not None else y
@@ -121,20 +118,6 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     if w_desc is None:
         layout = 0
     direct = _direct_args(al, w.shape[0])
-    if (persistent and layout and not direct and combine is None and w.shape[0] < 1 << 16
-            and cdiv(N, block_n) < 1 << 15):
-        n_tiles = n_blocks * cdiv(N, block_n)
-        programs = max(1, min(int(persistent) * num_programs(a.device), n_tiles))
-        kernel_for(rows_gemm_persistent_kernel, a.device)[(programs,)](
-            a, w_desc, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
-            n_slots, N, K_red, top_k, a.stride(0), tw.stride(0), tw.stride(1), y.stride(0),
-            BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-            BLOCK_J=_PERSISTENT_TILES, NUM_PROGRAMS=programs,
-            DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
-            TMA_LAYOUT=layout, EVEN_K=K_red % block_k == 0, num_warps=num_warps,
-            num_stages=num_stages, **_pdl_args(pdl, a.device),
-        )
-        return
     comb = {}
     if combine is not None:
         if not direct:
@@ -220,18 +203,6 @@ def _compiled_code(device: torch.device) -> bool:
 def _half_tail(enabled: bool, al) -> bool:
     """Half-height tiles for tail row blocks: aligned rows only, and blocks of >= 32 rows."""
     return bool(enabled) and not isinstance(al, DirectRows) and al.block_m >= 32
-
-
-_PERSISTENT_TILES = 16   # tiles per flat loop of the persistent row GEMM (their experts in registers)
-
-
-@functools.lru_cache(maxsize=None)
-def num_programs(device: torch.device) -> int:
-    """Programs of a persistent kernel: one per SM (a few in the interpreter, each walking
-    several tiles)."""
-    if device.type != "cuda":
-        return 3
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)

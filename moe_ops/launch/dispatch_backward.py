@@ -10,6 +10,7 @@ Scratch during backward, per aligned row: hidden and grad_out gathered into row 
 dtype."""
 from __future__ import annotations
 
+import functools
 
 import torch
 
@@ -19,7 +20,7 @@ from moe_ops.kernels.expert_gemm_backward import (gather_rows_kernel, swiglu_gra
                                                   weight_grad_persistent_kernel)
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import (_dot_precision, combine_triton, gate_up_triton,
-                                     num_programs, rows_gemm_triton, weight_desc)
+                                     rows_gemm_triton, weight_desc)
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
 
@@ -58,7 +59,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     dA = torch.empty(n_slots, I, dtype=torch.float32, device=dev)
     rows_gemm_triton(gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), dA, al, I, H,
                      n_slots, K, bc.da_n, bc.da_k, bc.da_warps, stages, tma=bc.tma,
-                     half_tail=bc.half_tail, persistent=bc.rows_persistent)
+                     half_tail=bc.half_tail)
     block_i = min(bc.ew_i, next_pow2(I))
     kernel_for(swiglu_grad_kernel, dev)[(cdiv(al.max_rows, bc.ew_r),)](
         dA, z, topk_weights, al.sorted_slots, al.num_rows, dz, sa, dweights,
@@ -79,7 +80,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     dxs = torch.empty(n_slots, H, dtype=dt, device=dev)
     rows_gemm_triton(dz, w13, (w13.stride(0), w13.stride(2), w13.stride(1)), dxs, al, H, 2 * I,
                      n_slots, K, bc.dx_n, bc.dx_k, bc.dx_warps, stages, tma=bc.tma,
-                     half_tail=bc.half_tail, persistent=bc.rows_persistent)
+                     half_tail=bc.half_tail)
     combine_triton(dxs, topk_ids, dx, E)
     return dx, dw13, dw2, dweights
 
@@ -125,6 +126,13 @@ def weight_grad_triton(left, right, out, al, bc, prec):
 _MAX_PERSISTENT_EXPERTS = 1024   # the persistent kernel keeps one expert per lane of a vector
 
 
+@functools.lru_cache(maxsize=None)
+def _num_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 3   # the interpreter: a few programs, each walking several tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _weight_grad_persistent(left, right, out, al, bc, prec, bk) -> bool:
     """weight_grad_triton on the persistent kernel, if it applies: 16-bit operands whose tensor
     descriptors are legal here (weight_desc: 16-byte aligned rows, sm_90+ or the interpreter).
@@ -137,7 +145,7 @@ def _weight_grad_persistent(left, right, out, al, bc, prec, bk) -> bool:
     if any(d is None for d in descs):
         return False
     n_tiles = E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n)
-    programs = min(num_programs(out.device), n_tiles)
+    programs = min(_num_programs(out.device), n_tiles)
     kernel_for(weight_grad_persistent_kernel, out.device)[(programs,)](
         *descs, al.expert_ends, M, N, E, left.shape[0],
         BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, BLOCK_E=next_pow2(E),

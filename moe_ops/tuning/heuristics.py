@@ -25,7 +25,6 @@ class DispatchConfig:
     tma_pair: bool = False  # with tma: gate and up weight tiles in one copy, one product
     half_tail: bool = False  # tail row blocks (<= block_m/2 valid rows) on a half-height tile
     combine_last: bool = False  # T == 1, direct rows: the down kernel's last program combines
-    down_persistent: int = 0  # down GEMM: this many programs per SM walking the output tiles
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -179,12 +178,6 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
     if base.block_m == 128:
         cands["s3" if base.num_stages != 3 else "s4"] = r(
             base, num_stages=3 if base.num_stages != 3 else 4)
-    if base.tma and not base.direct:
-        if base.down_persistent:
-            cands["per-tile down"] = r(base, down_persistent=0)
-        else:
-            cands["persistent down"] = r(base, down_persistent=1)
-            cands["persistent down x2"] = r(base, down_persistent=2)
     out = {"heuristic": base}
     seen = {base}
     for name, cfg in cands.items():
@@ -219,7 +212,6 @@ class BackwardConfig:
     wg_trim: bool = True  # weight gradients stop at the expert's valid rows (not its padding)
     wg_persistent: bool = False  # weight gradients: one program per SM walking output tiles
     wg_stages: int = 0    # pipeline stages of the persistent weight-gradient loop (0: num_stages)
-    rows_persistent: bool = False  # dA and dx: one program per SM walking the output tiles
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,

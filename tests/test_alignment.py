@@ -61,6 +61,30 @@ def test_alignment_many_programs(interpreter):
     _check(ids, 256, 128)
 
 
+@pytest.mark.parametrize("routing", ["uniform", "one_expert", "empty_experts", "negative", "skewed"])
+def test_alignment_scan_several_programs(interpreter, routing, monkeypatch):
+    """Decode sizes take the one-launch scan; its programs each write one group of table blocks
+    (Qwen3-30B-A3B at T = 8: 64 slots, 128 experts, 16-row blocks: 64 blocks, 4 programs)."""
+    import moe_ops.launch.alignment as la
+
+    grids = []
+    kernel_for = la.kernel_for
+
+    def spy(kernel, device):
+        launcher = kernel_for(kernel, device)
+
+        class Grid:
+            def __getitem__(self, grid):
+                grids.append((kernel.fn.__name__ if hasattr(kernel, "fn") else "?", grid))
+                return launcher[grid]
+        return Grid()
+
+    monkeypatch.setattr(la, "kernel_for", spy)
+    *_, ids = make_dispatch_inputs(8, 4, 4, 128, 8, routing=routing)
+    _check(ids, 128, 16)
+    assert grids == [("scan_kernel", (4,))], grids
+
+
 @needs_interpreter
 @settings(max_examples=40, deadline=None)
 @given(T=st.integers(0, 90), E=st.integers(1, 70), block_m=st.sampled_from([16, 32, 128]),

@@ -1,6 +1,6 @@
 """Alignment: token slots sorted by expert into blocks of BLOCK_M rows, on the GPU, no atomics.
 
-One launch (scan_kernel, FUSED) when all slots fit one tile; otherwise two launches over P
+One launch (scan_kernel) when all slots fit one tile; otherwise two launches over P
 programs (each owning a contiguous span of slots, walked in CHUNK pieces): count (per-program
 expert histogram), then place: every program reads the whole [P, E] histogram (from L2), derives
 the per-expert padded starts and its own per-expert bases, scatters its span (each slot's row =
@@ -35,7 +35,12 @@ def count_kernel(ids_ptr, counts_ptr, n_slots, span, E,
 def scan_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, expert_ends_ptr, n_slots,
                 n_blocks, E, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
                 BLOCK_B: tl.constexpr):
-    """Decode sizes (every slot fits one [BLOCK_P, E] tile): the whole alignment in one launch."""
+    """Decode sizes (every slot fits one [BLOCK_P, E] tile): the whole alignment in one launch.
+    Each program derives the expert ranges from all the ids (a few dozen) and writes one group
+    of BLOCK_B blocks of the block table and their padding sentinels; program 0 also scatters
+    the slots and writes the ranges (one program walking every group took 7.5 us at Qwen3
+    T=8: NOTES.md, entry 20)."""
+    pid = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     offs = tl.arange(0, BLOCK_P)
     m = offs < n_slots
@@ -44,12 +49,13 @@ def scan_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, expert_ends
     onehot = ((ids[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)
     totals = tl.sum(onehot, axis=0)
     starts, ends, num_rows = expert_ranges(totals, BLOCK_M)
-    store_ranges(expert_ends_ptr, num_rows_ptr, experts, starts, ends, totals, num_rows, E)
-    rank = tl.cumsum(onehot, axis=0) - onehot
-    row = tl.sum((rank + starts[None, :]) * onehot, axis=1)
-    tl.store(sorted_ptr + row, offs, mask=valid)
+    if pid == 0:
+        store_ranges(expert_ends_ptr, num_rows_ptr, experts, starts, ends, totals, num_rows, E)
+        rank = tl.cumsum(onehot, axis=0) - onehot
+        row = tl.sum((rank + starts[None, :]) * onehot, axis=1)
+        tl.store(sorted_ptr + row, offs, mask=valid)
     block_table(sorted_ptr, block_expert_ptr, starts + totals, ends, experts, num_rows, n_slots,
-                0, n_blocks, 1, E, BLOCK_M, BLOCK_E, BLOCK_B)
+                pid, n_blocks, tl.num_programs(0), E, BLOCK_M, BLOCK_E, BLOCK_B)
 
 
 @triton.jit

@@ -55,11 +55,12 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
     ends = torch.empty(2, num_experts, dtype=torch.int32, device=dev)   # padded, valid
     expert_ends = ends[0]
-    if n_programs == 1:   # decode sizes: one launch
-        kernel_for(scan_kernel, dev)[(1,)](
+    if n_programs == 1:   # decode sizes: one launch, a program per group of table blocks
+        block_b = _pow2_floor(min(64, 4096 // (block_e + block_m)))
+        kernel_for(scan_kernel, dev)[(scan_programs(n_blocks, block_b),)](
             ids, sorted_slots, block_expert, num_rows, ends, n_slots, n_blocks,
             num_experts, BLOCK_M=block_m, BLOCK_P=next_pow2(n_slots), BLOCK_E=block_e,
-            BLOCK_B=_pow2_floor(min(64, 4096 // (block_e + block_m))), num_warps=4)
+            BLOCK_B=block_b, num_warps=4)
         return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m, ends[1])
     counts = torch.empty(n_programs, block_e, dtype=torch.int32, device=dev)
     kernel_for(count_kernel, dev)[(n_programs,)](
@@ -71,6 +72,12 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
         span, n_blocks, num_experts, CHUNK=chunk, BLOCK_M=block_m,
         BLOCK_P=next_pow2(n_programs), BLOCK_E=block_e, BLOCK_B=block_b, num_warps=8)
     return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m, ends[1])
+
+
+def scan_programs(n_blocks: int, block_b: int) -> int:
+    """Programs of the one-launch scan: one per group of block_b table blocks (any smaller count
+    is also correct: each program walks every num_programs-th group)."""
+    return cdiv(n_blocks, block_b)
 
 
 def _pow2_floor(n: int) -> int:

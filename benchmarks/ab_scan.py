@@ -1,0 +1,65 @@
+"""A/B of the one-launch alignment scan on one GPU: one program walking every group of table
+blocks against a program per group (moe_ops.launch.alignment.scan_programs), CUDA-graph replay
+of the whole dispatch and of the alignment alone, alternating, on decode cells that take the
+scan. Not part of the test suite.
+
+    PYTHONPATH=. python benchmarks/ab_scan.py [--cells qwen3_30b_a3b:8 ...]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import moe_ops.launch.alignment as la
+from moe_ops import bench
+from moe_ops.launch.dispatch import dispatch_triton
+from moe_ops.tuning.heuristics import heuristic_config
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--cells", nargs="+", default=[
+        "qwen3_30b_a3b:8", "qwen3_30b_a3b_zipf:8", "olmoe:8", "mixtral_8x7b:8", "mixtral_8x7b:32",
+        "mixtral_8x7b:128"])
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    dt = torch.bfloat16
+    timer = bench.Timer(dev, warmup_ms=25, rep_ms=100)
+    grid = la.scan_programs
+    rows = []
+    for cell in args.cells:
+        name, T = cell.split(":")
+        T = int(T)
+        s = bench.SHAPES[name]
+        wt = bench.make_weights(s, dev, dt, seed=0)
+        hidden, logits = bench.make_tokens(s, wt, T, dev, dt, seed=1)
+        tw, ids = bench.route(s, logits, wt.bias)
+        cfg = heuristic_config(T, s.E, s.K, s.H, s.I, "cuda", dt)
+        res = {}
+        for rnd in range(2):
+            for variant, fn in (("one program", lambda n, b: 1), ("per group", grid)):
+                la.scan_programs = fn
+                call = lambda: dispatch_triton(hidden, wt.w13, wt.w2, tw, ids, config=cfg)  # noqa
+                g, out = bench.capture_graph(call)
+                ga, _ = bench.capture_graph(lambda: la.align_triton(ids, s.E, cfg.block_m))
+                us, ua = timer(g.replay) * 1e3, timer(ga.replay) * 1e3
+                ref = res.setdefault("out", out.clone())
+                assert torch.equal(out, ref), (cell, variant)
+                res.setdefault(variant, []).append((us, ua))
+                g = ga = None
+        la.scan_programs = grid
+        for variant in ("one program", "per group"):
+            us = min(x[0] for x in res[variant])
+            ua = min(x[1] for x in res[variant])
+            rows.append((cell, variant, us, ua))
+            print(f"{cell} {variant}: dispatch {us:.1f} us, alignment {ua:.1f} us", flush=True)
+        res.clear()
+        torch.cuda.empty_cache()
+    print(f"\n{'cell':<24} {'scan':<12} {'dispatch us':>11} {'align us':>9}")
+    for cell, variant, us, ua in rows:
+        print(f"{cell:<24} {variant:<12} {us:11.1f} {ua:9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -2,6 +2,7 @@
 plain-torch reference on CPU. Read at call time so tests can flip the interpreter per test."""
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -84,14 +85,44 @@ class _Interpreted:
                 return wrapped(*a, **kw)
 
             JITFunction.__call__ = call
+            patched = _lang_snapshot()
             try:
                 kwargs.pop("num_warps", None)
                 kwargs.pop("num_stages", None)
                 return self._kernel[grid](*args, **kwargs)
             finally:
                 JITFunction.__call__ = saved
+                _lang_restore(patched)
 
         return launch
+
+
+def _lang_snapshot() -> list:
+    """The attributes of triton.language, triton.language.core and triton.language.tensor. The
+    interpreter patches them while it runs a kernel; its calls of nested @triton.jit functions
+    (InterpretedFunction.__call__) patch them again and never restore them, so after an
+    interpreted launch that calls a helper, kernels compiled later in the process (compile_check,
+    a CUDA launch) built their IR through the interpreter's semantic: "'value' object has no
+    attribute 'dtype'" (triton 3.9; seen when tests/test_compile_sm90.py ran after the
+    interpreted alignment tests with an empty Triton cache)."""
+    import triton.language as tl
+    import triton.language.core as core
+
+    return [(obj, dict(vars(obj))) for obj in (tl, core, tl.tensor)]
+
+
+def _lang_restore(snapshot: list) -> None:
+    for obj, attrs in snapshot:
+        now = vars(obj)
+        # (a submodule imported meanwhile, e.g. triton.language.semantic, stays)
+        for name in [k for k, v in now.items() if k not in attrs and not inspect.ismodule(v)]:
+            delattr(obj, name)
+        for name, value in attrs.items():
+            if now.get(name, _MISSING) is not value:
+                setattr(obj, name, value)
+
+
+_MISSING = object()
 
 
 _launchers: dict = {}

@@ -1,4 +1,7 @@
 """Host-side helpers of moe_ops._runtime (the launchers size grids and blocks with them)."""
+import inspect
+
+import torch
 import triton
 
 from moe_ops._runtime import cdiv, next_pow2
@@ -42,3 +45,23 @@ def test_kernels_stay_compiled_after_interpreter_is_set_later():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_interpreted_launch_leaves_triton_language_unpatched(interpreter):
+    """Triton's interpreter patches triton.language while a kernel runs, and its calls of nested
+    @triton.jit helpers never undo theirs; moe_ops restores triton.language, triton.language.core
+    and tl.tensor after every interpreted launch, so kernels compiled later in the process do
+    not build their IR through the interpreter (the alignment's kernels call helpers)."""
+    import triton.language as tl
+    import triton.language.core as core
+
+    from moe_ops.launch.alignment import align_triton
+
+    before = [(obj, dict(vars(obj))) for obj in (tl, core, tl.tensor)]
+    align_triton(torch.randint(-1, 12, (37, 3), dtype=torch.int32), 12, 16)   # the scan
+    align_triton(torch.randint(-1, 64, (600, 4), dtype=torch.int32), 64, 16)  # count + place
+    for obj, attrs in before:
+        now = vars(obj)
+        changed = sorted(k for k, v in attrs.items() if now.get(k) is not v)
+        added = sorted(k for k, v in now.items() if k not in attrs and not inspect.ismodule(v))
+        assert changed == [] and added == [], (obj, changed[:8], added[:8])

@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import moe_ops  # noqa: E402,F401  (registers torch.ops.moe.* and the "moe_ops" experts implementation)
+from moe_ops._runtime import interpret_enabled  # noqa: E402
 from moe_ops.integrations.huggingface import apply_moe_ops, revert_moe_ops  # noqa: E402
 
 
@@ -210,8 +211,9 @@ def main():
         print(f'apply_moe_ops vs transformers "grouped_mm": prefill x{moe[0] / gm[0]:.2f}, '
               f"decode x{moe[1] / gm[1]:.2f}")
     if device == "cpu":
-        print("(CPU: a tiny model running the ops' torch reference; the speeds are a smoke test, "
-              "not a benchmark)")
+        how = ("Triton kernels in the interpreter" if interpret_enabled()
+               else "the ops' torch reference")
+        print(f"(CPU: a tiny model running {how}; the speeds are a smoke test, not a benchmark)")
     if not ok:
         raise SystemExit("moe_ops generated different tokens from the unpatched float32 model")
 

@@ -36,25 +36,26 @@ def main():
         hidden, logits = bench.make_tokens(s, wt, T, dev, dt, seed=1)
         tw, ids = bench.route(s, logits, wt.bias)
         cfg = heuristic_config(T, s.E, s.K, s.H, s.I, "cuda", dt)
-        res = {}
-        for rnd in range(2):
+        res = {"one program": [], "per group": []}
+        ref = None
+        for _round in range(2):
             for variant, fn in (("one program", lambda n, b: 1), ("per group", grid)):
                 la.scan_programs = fn
                 call = lambda: dispatch_triton(hidden, wt.w13, wt.w2, tw, ids, config=cfg)  # noqa
                 g, out = bench.capture_graph(call)
                 ga, _ = bench.capture_graph(lambda: la.align_triton(ids, s.E, cfg.block_m))
                 us, ua = timer(g.replay) * 1e3, timer(ga.replay) * 1e3
-                ref = res.setdefault("out", out.clone())
+                ref = out.clone() if ref is None else ref
                 assert torch.equal(out, ref), (cell, variant)
-                res.setdefault(variant, []).append((us, ua))
+                res[variant].append((us, ua))
                 g = ga = None
         la.scan_programs = grid
-        for variant in ("one program", "per group"):
-            us = min(x[0] for x in res[variant])
-            ua = min(x[1] for x in res[variant])
+        for variant, times in res.items():
+            us = min(x[0] for x in times)
+            ua = min(x[1] for x in times)
             rows.append((cell, variant, us, ua))
             print(f"{cell} {variant}: dispatch {us:.1f} us, alignment {ua:.1f} us", flush=True)
-        res.clear()
+        res = ref = None
         torch.cuda.empty_cache()
     print(f"\n{'cell':<24} {'scan':<12} {'dispatch us':>11} {'align us':>9}")
     for cell, variant, us, ua in rows:

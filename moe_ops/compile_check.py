@@ -171,8 +171,6 @@ def forward_launches(shape, T, cfg, dtype, backward=False, rows_per_expert=None)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
     w = torch.rand(T, K, generator=g)
     with capture() as launches:
-        if cfg.fuse_down:   # inference only: a training forward (save_z) takes the other path
-            dispatch_triton(hidden, w13, w2, w, ids, config=cfg)
         _, z = dispatch_triton(hidden, w13, w2, w, ids, config=cfg, save_z=True)
         if backward:
             rpe = T * K / E if rows_per_expert is None else rows_per_expert

@@ -62,7 +62,7 @@ def test_parity_path_variants(name, dtype, T):
     H, I, E, K = SHAPES[name]
     ref = _oracle(*args)
     base = heuristic_config(T, E, K, H, I, "cuda", dtype)
-    words = ("tma", "direct", "fuse", "pdl", "s3", "s4", "half", "combine")
+    words = ("tma", "direct", "fused", "pdl", "s3", "s4", "half", "combine")
     picked = {k: v for k, v in neighbours(base, dtype).items()
               if k == "heuristic" or any(w in k for w in words)}
     assert len(picked) >= 2

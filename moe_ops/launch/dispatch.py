@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
-from moe_ops.kernels.expert_fused import combine_partials_kernel, fused_experts_kernel
 from moe_ops.kernels.expert_gemm import (combine_kernel, down_combine_one_token_kernel, down_kernel,
                                          gate_up_kernel)
 from moe_ops.launch.alignment import align_triton
@@ -39,12 +38,6 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     al = DirectRows(topk_ids, cfg.block_m) if cfg.direct and T == 1 else \
         align_triton(topk_ids, E, cfg.block_m)
     n_slots = T * K
-    if cfg.fuse_down and not save_z and K <= 32:
-        # Decode: both GEMMs in one kernel, partial down products per I tile, then the combine.
-        part = torch.empty(cdiv(I, cfg.block_n1), n_slots, H, dtype=torch.float32, device=dev)
-        fused_experts_triton(hidden, w13, w2, part, al, cfg, n_slots, K)
-        combine_partials_triton(part, topk_weights, topk_ids, out, E, pdl=cfg.pdl)
-        return out
     act = torch.empty(al.max_rows, I, dtype=hidden.dtype, device=dev)
     z = torch.empty(T * K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else None
     direct = isinstance(al, DirectRows)
@@ -79,7 +72,14 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
     I = act.shape[1]
     n_blocks = al.max_rows // cfg.block_m
     zz = act if z is None else z
-    w_desc, pair = _w13_desc(w13, cfg, H, I)
+    w_desc, pair = None, False
+    if cfg.tma and cfg.tma_pair:   # [E, 2I, H] seen as [E, 2, I, H]: gate and up in one copy
+        st = w13.stride()
+        w_desc = weight_desc(w13, [1, 2, cfg.block_n1, cfg.block_k1],
+                             shape=[w13.shape[0], 2, I, H], strides=[st[0], I * st[1], st[1], st[2]])
+        pair = w_desc is not None
+    if cfg.tma and w_desc is None:
+        w_desc = weight_desc(w13, [1, cfg.block_n1, cfg.block_k1])
     direct = _direct_args(al, w13.shape[0])
     cnt = {} if counters is None else dict(counters_ptr=counters, n_counters=counters.numel(),
                                            BLOCK_C=next_pow2(counters.numel()))
@@ -93,59 +93,6 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
         w_desc=w_desc, USE_TMA=w_desc is not None, TMA_PAIR=pair, **direct,
         HALF_TAIL=_half_tail(cfg.half_tail, al), **cnt,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_args(pdl, hidden.device),
-    )
-
-
-def _w13_desc(w13, cfg, H, I):
-    """(descriptor or None, paired) for the gate+up weight tiles: with tma_pair the [E, 2I, H]
-    weight seen as [E, 2, I, H] (gate and up tiles in one copy), else [E, 2I, H] tiles."""
-    w_desc, pair = None, False
-    if cfg.tma and cfg.tma_pair:
-        st = w13.stride()
-        w_desc = weight_desc(w13, [1, 2, cfg.block_n1, cfg.block_k1],
-                             shape=[w13.shape[0], 2, I, H], strides=[st[0], I * st[1], st[1], st[2]])
-        pair = w_desc is not None
-    if cfg.tma and w_desc is None:
-        w_desc = weight_desc(w13, [1, cfg.block_n1, cfg.block_k1])
-    return w_desc, pair
-
-
-def fused_experts_triton(hidden, w13, w2, part, al, cfg, n_slots, top_k):
-    """part[j, slot] = SwiGLU(x_t W13_e^T)[I tile j] W2_e[:, I tile j]^T in float32 (decode:
-    both GEMMs in one launch; block_n1 columns of I per program, block_n2 columns of H per step
-    of the down product). Rows of dropped slots are left unwritten."""
-    H = hidden.shape[1]
-    E, _, I = w2.shape
-    n_blocks = al.max_rows // cfg.block_m
-    n_j = part.shape[0]
-    w13_desc, pair = _w13_desc(w13, cfg, H, I)
-    w2_desc = weight_desc(w2, [1, cfg.block_n2, cfg.block_n1]) if cfg.tma else None
-    kernel_for(fused_experts_kernel, hidden.device)[(n_blocks * n_j,)](
-        hidden, w13, w2, part, al.sorted_slots, al.block_expert, al.num_rows,
-        n_slots, H, I, top_k,
-        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        w2.stride(0), w2.stride(1), w2.stride(2), part.stride(0), part.stride(1), n_j,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, BLOCK_H=cfg.block_n2,
-        DOT_PRECISION=_dot_precision(hidden.dtype),
-        w13_desc=w13_desc, USE_TMA=w13_desc is not None, TMA_PAIR=pair,
-        w2_desc=w2_desc, W2_TMA=w2_desc is not None, **_direct_args(al, E),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_args(cfg.pdl, hidden.device),
-    )
-
-
-def combine_partials_triton(part, topk_weights, topk_ids, out, num_experts, pdl=False):
-    """out[t] = sum over k in order of topk_weights[t, k] * sum over j of part[j, t*K + k] for
-    valid ids (float32, deterministic)."""
-    T, H = out.shape
-    K = topk_ids.shape[1]
-    n_j = part.shape[0]
-    block_j = next_pow2(n_j)
-    block_h = max(16, min(next_pow2(H), 4096 // block_j))
-    kernel_for(combine_partials_kernel, out.device)[(T, cdiv(H, block_h))](
-        part, topk_weights, topk_ids, out, H, num_experts, n_j,
-        part.stride(0), part.stride(1), topk_weights.stride(0), topk_weights.stride(1),
-        topk_ids.stride(0), topk_ids.stride(1), out.stride(0), out.stride(1),
-        TOP_K=K, BLOCK_J=block_j, BLOCK_H=block_h, num_warps=4, **_pdl_args(pdl, out.device),
     )
 
 

@@ -25,7 +25,6 @@ class DispatchConfig:
     tma_pair: bool = False  # with tma: gate and up weight tiles in one copy, one product
     half_tail: bool = False  # tail row blocks (<= block_m/2 valid rows) on a half-height tile
     combine_last: bool = False  # T == 1, direct rows: the down kernel's last program combines
-    fuse_down: bool = False  # decode: gate+up and down in one kernel, float32 partials per I tile
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -168,20 +167,6 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
         cands["fused n32 k256" if fc else "n32 k256"] = r(base, fuse_combine=True,
                                                            block_n2=32, block_k2=256)
     cands["no pdl" if base.pdl else "pdl"] = r(base, pdl=not base.pdl)
-    if base.block_m <= 32:
-        if base.fuse_down:
-            cands["unfused down"] = r(base, fuse_down=False)
-        else:
-            # block_n2: the fused kernel's down step (columns of H); a training forward with
-            # the same config runs the two-kernel path, so block_k2 stays one that fits there.
-            fd = r(base, fuse_down=True, fuse_combine=False, combine_last=False,
-                   block_k2=min(base.block_k2, 128))
-            cands["fuse down"] = fd
-            cands["fuse down n32"] = r(fd, block_n1=32)
-            cands["fuse down n128"] = r(fd, block_n1=128, block_k1=64, tma_pair=True)
-            for h in (64, 128, 256):
-                cands[f"fuse down h{h}"] = r(fd, block_n2=h)
-            cands["fuse down n32 h256"] = r(fd, block_n1=32, block_n2=256)
     if base.direct and not base.fuse_combine:
         cands["combine kernel" if base.combine_last else "combine last"] = r(
             base, combine_last=not base.combine_last)

@@ -90,6 +90,13 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
         # entry 16: Mixtral T=512/2048/8192 -4/-4/-6%, DeepSeek-V3 T=8192 -6%, 0 to -1.5% at
         # BLOCK_M <= 64.
         cfg = replace(cfg, tma=True)
+        if block_m == 16 and T > 1 and E >= 64:
+            # Many small experts, several tokens: 32-wide gate+up strips (twice the programs,
+            # a finer last wave) in 256-deep steps, 3 stages (the same bytes in flight). H200,
+            # NOTES.md entry 21, graph replay: Qwen3 T=8 138.4 -> 135.9 us, OLMoE T=8 146.9 ->
+            # 139.2, Qwen3 zipf T=8 106.8 -> 102.0, T=32/128 -0.6 to -1.7%, DeepSeek-V3 T=8
+            # -1.1%; at T=1 (8 experts x 24 strips: 1.45 waves) +1.7 us, Mixtral +0.2-0.4%.
+            cfg = replace(cfg, block_n1=32, block_k1=256, num_stages=3)
         if block_m == 128:
             # Gate and up tiles in one TMA copy and one N=256 product, and 256-wide down tiles
             # on every shape (entry 18, graph replay: the pair -0.5 to -6% in 10 of 11 prefill
@@ -129,6 +136,8 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
             "s5": r(base, num_stages=5),
             "gate/up n128": r(base, block_n1=128, block_k1=64),
             "gate/up n32": r(base, block_n1=32),
+            "down k256": r(base, block_k2=256),
+            "down n32 k256": r(base, block_n2=32, block_k2=256),
             "gate/up n32 k256 s3": r(base, block_n1=32, block_k1=256, num_stages=3),
             "k256 s3": r(base, block_k1=256, block_k2=256, num_stages=3),
             "down n128": r(base, block_n2=128),

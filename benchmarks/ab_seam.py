@@ -1,0 +1,72 @@
+"""A/B of a module-level switch of moe_ops (a test seam such as
+moe_ops.launch.dispatch.COMBINE_IDS_EARLY) on one GPU: CUDA-graph replay of the whole dispatch
+under the heuristic config with the switch at each value, alternating over rounds (best of the
+rounds reported), outputs required bitwise equal. Not part of the test suite.
+
+    PYTHONPATH=. python benchmarks/ab_seam.py moe_ops.launch.dispatch:COMBINE_IDS_EARLY \
+        True False [--cells qwen3_30b_a3b:8 ...]
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+
+import torch
+
+from moe_ops import bench
+from moe_ops.launch.dispatch import dispatch_triton
+from moe_ops.tuning.heuristics import heuristic_config
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("seam", help="module:attribute")
+    p.add_argument("values", nargs=2, help="two Python literals")
+    p.add_argument("--cells", nargs="+", default=[
+        "qwen3_30b_a3b:8", "qwen3_30b_a3b_zipf:8", "olmoe:8", "mixtral_8x7b:8", "qwen3_30b_a3b:32",
+        "olmoe:128"])
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    mod_name, attr = args.seam.split(":")
+    mod = importlib.import_module(mod_name)
+    values = [ast.literal_eval(v) for v in args.values]
+    saved = getattr(mod, attr)
+    dev = torch.device("cuda")
+    dt = torch.bfloat16
+    timer = bench.Timer(dev, warmup_ms=25, rep_ms=100)
+    rows = []
+    try:
+        for cell in args.cells:
+            name, T = cell.split(":")
+            T = int(T)
+            s = bench.SHAPES[name]
+            wt = bench.make_weights(s, dev, dt, seed=0)
+            hidden, logits = bench.make_tokens(s, wt, T, dev, dt, seed=1)
+            tw, ids = bench.route(s, logits, wt.bias)
+            cfg = heuristic_config(T, s.E, s.K, s.H, s.I, "cuda", dt)
+            best = {repr(v): float("inf") for v in values}
+            ref = None
+            for _round in range(args.rounds):
+                for v in values:
+                    setattr(mod, attr, v)
+                    g, out = bench.capture_graph(
+                        lambda: dispatch_triton(hidden, wt.w13, wt.w2, tw, ids, config=cfg))
+                    best[repr(v)] = min(best[repr(v)], timer(g.replay) * 1e3)
+                    ref = out.clone() if ref is None else ref
+                    assert torch.equal(out, ref), (cell, v)
+                    g = None
+            for v, us in best.items():
+                rows.append((cell, v, us))
+                print(f"{cell} {attr}={v}: dispatch {us:.1f} us", flush=True)
+            wt = ref = None
+            torch.cuda.empty_cache()
+    finally:
+        setattr(mod, attr, saved)
+    print(f"\n{'cell':<24} {attr:<20} {'dispatch us':>11}")
+    for cell, v, us in rows:
+        print(f"{cell:<24} {v:<20} {us:11.1f}")
+
+
+if __name__ == "__main__":
+    main()

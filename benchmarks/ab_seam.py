@@ -1,10 +1,11 @@
-"""A/B of a module-level switch of moe_ops (a test seam such as
-moe_ops.launch.dispatch.COMBINE_IDS_EARLY) on one GPU: CUDA-graph replay of the whole dispatch
-under the heuristic config with the switch at each value, alternating over rounds (best of the
-rounds reported), outputs required bitwise equal. Not part of the test suite.
+"""A/B of a module-level switch of moe_ops (a seam added for an experiment, e.g. commit
+1ad3e1d's moe_ops.launch.dispatch.COMBINE_IDS_EARLY, since removed: NOTES.md entry 21) on one
+GPU: CUDA-graph replay of the whole dispatch under the heuristic config with the switch at each
+value, alternating over rounds (best of the rounds reported), outputs required bitwise equal.
+Not part of the test suite.
 
-    PYTHONPATH=. python benchmarks/ab_seam.py moe_ops.launch.dispatch:COMBINE_IDS_EARLY \
-        True False [--cells qwen3_30b_a3b:8 ...]
+    PYTHONPATH=. python benchmarks/ab_seam.py moe_ops.launch.dispatch:SOME_SWITCH True False \
+        [--cells qwen3_30b_a3b:8 ...]
 """
 from __future__ import annotations
 

@@ -144,6 +144,13 @@ def test_heuristic_path_switches():
     # half-height tail tiles wherever the row block is 128 (entry 18), never below
     assert cfg(2048, qwen3).half_tail and cfg(8192, deepseek).half_tail
     assert not cfg(512, qwen3).half_tail and not cfg(1, qwen3).half_tail
+    # 32-wide, 256-deep gate+up steps at BLOCK_M 16 with several tokens on >= 64 experts
+    # (entry 21); not at T == 1, not on Mixtral's 8 experts, not in float32
+    for T, shape in ((8, qwen3), (32, qwen3), (8, deepseek), (128, deepseek)):
+        c = cfg(T, shape)
+        assert (c.block_m, c.block_n1, c.block_k1, c.num_stages) == (16, 32, 256, 3), (T, c)
+    for c in (cfg(1, qwen3), cfg(8, mixtral), cfg(8, qwen3, f32)):
+        assert (c.block_n1, c.block_k1) != (32, 256), c
     # interpreter configs never use the GPU-only paths
     cpu = heuristic_config(1, 8, 2, 64, 32, "cpu", f32)
     assert not (cpu.tma or cpu.pdl or cpu.fuse_combine)

@@ -328,7 +328,7 @@ def combine_kernel(
     y_ptr, ids_ptr, out_ptr, T, H, E,
     stride_it, stride_ik, stride_ym, stride_ot, stride_oh,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr = False, IDS_EARLY: tl.constexpr = False, BLOCK_K: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = False,
 ):
     """out[t] = sum over k = 0..TOP_K-1, in that order, of y[t*TOP_K + k] for valid ids. Up to
     K = 32 the k loop is unrolled (TOP_K is a compile-time constant) so that the K independent
@@ -342,30 +342,13 @@ def combine_kernel(
     t_mask = toks < T
     h_mask = offs_h < H
     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
-    if TOP_K <= 32 and IDS_EARLY:
-        # The ids are this call's input, complete before its first kernel ran (and so before
-        # this one could launch), so they load before the wait: one memory latency less after
-        # the down GEMM ends.
-        ks = tl.arange(0, BLOCK_K)
-        ids_tk = tl.load(ids_ptr + toks[:, None] * stride_it + ks[None, :] * stride_ik,
-                         mask=t_mask[:, None] & (ks < TOP_K)[None, :], other=-1)
-        if USE_PDL:
-            gdc_wait()
-        for k in tl.static_range(TOP_K):
-            ids = tl.sum(tl.where(ks[None, :] == k, ids_tk, 0), axis=1)
-            valid = t_mask & (ids >= 0) & (ids < E)
-            y = tl.load(y_ptr + (toks * TOP_K + k)[:, None] * stride_ym + offs_h[None, :],
-                        mask=valid[:, None] & h_mask[None, :], other=0.0)
-            acc += y.to(tl.float32)
-    elif TOP_K <= 32:
-        if USE_PDL:
-            gdc_wait()
+    if USE_PDL:
+        gdc_wait()
+    if TOP_K <= 32:
         for k in tl.static_range(TOP_K):
             acc = _combine_slot(acc, y_ptr, ids_ptr, toks, t_mask, offs_h, h_mask, k, E,
                                 stride_it, stride_ik, stride_ym, TOP_K)
     else:
-        if USE_PDL:
-            gdc_wait()
         for k in range(TOP_K):
             acc = _combine_slot(acc, y_ptr, ids_ptr, toks, t_mask, offs_h, h_mask, k, E,
                                 stride_it, stride_ik, stride_ym, TOP_K)

@@ -137,10 +137,6 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     )
 
 
-# The combine loads the ids before its PDL wait (a seam for A/B timing: benchmarks/ab_combine.py).
-COMBINE_IDS_EARLY = True
-
-
 def combine_triton(y, topk_ids, out, num_experts, pdl=False):
     """out[t] = sum over k in order of the per-slot rows y[t*K + k] of valid ids (float32 sum,
     deterministic). Small T: narrow column blocks, so that more programs share the latency."""
@@ -151,8 +147,7 @@ def combine_triton(y, topk_ids, out, num_experts, pdl=False):
     kernel_for(combine_kernel, out.device)[(cdiv(T, block_t), cdiv(H, block_h))](
         y, topk_ids, out, T, H, num_experts,
         topk_ids.stride(0), topk_ids.stride(1), y.stride(0), out.stride(0), out.stride(1),
-        TOP_K=K, BLOCK_T=block_t, BLOCK_H=block_h, IDS_EARLY=COMBINE_IDS_EARLY,
-        BLOCK_K=next_pow2(K), num_warps=4, **_pdl_args(pdl, out.device),
+        TOP_K=K, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **_pdl_args(pdl, out.device),
     )
 
 

@@ -136,8 +136,6 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
             "s5": r(base, num_stages=5),
             "gate/up n128": r(base, block_n1=128, block_k1=64),
             "gate/up n32": r(base, block_n1=32),
-            "down k256": r(base, block_k2=256),
-            "down n32 k256": r(base, block_n2=32, block_k2=256),
             "gate/up n32 k256 s3": r(base, block_n1=32, block_k1=256, num_stages=3),
             "k256 s3": r(base, block_k1=256, block_k2=256, num_stages=3),
             "down n128": r(base, block_n2=128),

@@ -77,6 +77,22 @@ def test_bf16_logits_and_strided(interpreter):
     assert torch.equal(ids, route_reference(lb.double(), 4)[1])
 
 
+@pytest.mark.parametrize("kw", [{}, {"scoring": "sigmoid", "num_groups": 4, "topk_groups": 2}])
+def test_strided_bias(interpreter, kw):
+    """A bias that is a slice of a larger tensor or an expanded scalar (stride 0) is read with
+    its stride: the same ids and weights as the reference and as a contiguous copy."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(9, 16, generator=g)
+    full = torch.randn(32, generator=g)
+    for bias in (full[1::2], full[3:19], torch.tensor(0.3).expand(16), full[:16].flip(0)):
+        w, ids = torch.ops.moe.route(logits, 4, bias=bias, **kw)
+        w_ref, ids_ref = route_reference(logits.double(), 4, bias=bias.double(), **kw)
+        assert torch.equal(ids, ids_ref), bias.stride()
+        torch.testing.assert_close(w.double(), w_ref, rtol=1e-5, atol=1e-6)
+        w_c, ids_c = torch.ops.moe.route(logits, 4, bias=bias.contiguous(), **kw)
+        assert torch.equal(ids, ids_c) and torch.equal(w, w_c)
+
+
 def test_poisoned_outputs_fully_written(interpreter):
     logits = torch.randn(13, 16)
     w = torch.full((13, 3), float("nan"))
@@ -158,3 +174,18 @@ def test_opcheck_interpreter(interpreter):
 def test_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"top_k": 2.0}, "top_k must be an int"), ({"top_k": True}, "top_k must be an int"),
+    ({"top_k": 2, "num_groups": 2.0}, "num_groups must be an int"),
+    ({"top_k": 2, "topk_groups": None}, "topk_groups must be an int"),
+    ({"top_k": 2, "scale": "1"}, "scale must be a float"),
+])
+def test_python_api_scalar_types(kw, match):
+    """moe_ops.route names a scalar argument of the wrong type (TypeError) before the
+    dispatcher sees it (which would raise RuntimeError, or take a bool as an int)."""
+    import moe_ops
+
+    with pytest.raises(TypeError, match=match):
+        moe_ops.route(torch.randn(4, 8), **kw)

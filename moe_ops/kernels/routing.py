@@ -6,7 +6,7 @@ import triton.language as tl
 @triton.jit
 def route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr,
-    T, E, stride_lt, stride_le,
+    T, E, stride_lt, stride_le, stride_b,
     top_k, num_groups, group_size, topk_groups, scale,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
     GROUPED: tl.constexpr,
@@ -35,7 +35,7 @@ def route_kernel(
     if HAS_BIAS or GROUPED:
         sel = s
         if HAS_BIAS:
-            b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            b = tl.load(bias_ptr + cols * stride_b, mask=col_mask, other=0.0).to(tl.float32)
             sel = sel + b[None, :]
     else:
         # softmax and sigmoid are monotone: ranking the logits themselves avoids ties that

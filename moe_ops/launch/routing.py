@@ -28,6 +28,7 @@ def route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups, t
     kernel_for(route_kernel, dev)[grid](
         router_logits, bias if bias is not None else router_logits, weights, ids,
         T, E, router_logits.stride(0), router_logits.stride(1),
+        bias.stride(0) if bias is not None else 0,   # any stride: a slice, an expanded scalar
         top_k, num_groups, E // num_groups, topk_groups, float(scale),
         SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
         GROUPED=num_groups > 1,

@@ -101,11 +101,13 @@ def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation):
         raise ValueError(f"w2 must have shape [E, H, I] with H = hidden.shape[1] = {H}, got {H2}")
     if E2 != E:
         raise ValueError(f"w2 must have E = w13.shape[0] = {E} experts, got {E2}")
+    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.shape[0] != T:
+            raise ValueError(f"{name} must have shape [T, K] with T = hidden.shape[0] = {T}, "
+                             f"got {tuple(t.shape)}")
     if tuple(topk_ids.shape) != tuple(topk_weights.shape):
         raise ValueError(
             f"topk_ids must have topk_weights' shape {tuple(topk_weights.shape)}, got {tuple(topk_ids.shape)}")
-    if topk_ids.shape[0] != T:
-        raise ValueError(f"topk_ids must have shape [T, K] with T = hidden.shape[0] = {T}, got {tuple(topk_ids.shape)}")
     K = topk_ids.shape[1]
     if K > E:
         raise ValueError(f"K = topk_ids.shape[1] = {K} must be at most E = {E}")

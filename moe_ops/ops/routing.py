@@ -59,8 +59,15 @@ torch.library.register_autograd(ROUTE, _route_backward, setup_context=_route_set
 def route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
           renormalize: bool = True, bias: torch.Tensor | None = None, num_groups: int = 1,
           topk_groups: int = 1, scale: float = 1.0):
-    """Python entry point of `torch.ops.moe.route` (same arguments, keyword-friendly)."""
+    """Python entry point of `torch.ops.moe.route` (same arguments, keyword-friendly). The
+    scalar arguments' types are checked here: torch.ops.moe.route itself rejects a float top_k
+    in the dispatcher with a RuntimeError and takes a bool as an int."""
     check_tensor_args(router_logits=router_logits)
+    for name, v in (("top_k", top_k), ("num_groups", num_groups), ("topk_groups", topk_groups)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
     if bias is not None:
         check_tensor_args(bias=bias)
     return torch.ops.moe.route(router_logits, top_k, scoring, renormalize, bias, num_groups,

@@ -49,21 +49,20 @@ def test_parity_benchmark_shapes(name, dtype, T):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("T", [1, 8, 2048])
+@pytest.mark.parametrize("T", [1, 2048])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_parity_path_variants(name, dtype, T):
-    """The heuristic's path switches both ways (TMA weight tiles, rows found from the ids at
-    T = 8 with no alignment launch, the T == 1 direct rows and the combine folded into the down
-    GEMM or done by its last program, programmatic dependent launch, half-height tail tiles,
-    pipeline depth), ids < 0 included, against float64."""
+    """The heuristic's path switches both ways (TMA weight tiles, the T == 1 direct rows and the
+    combine folded into the down GEMM or done by its last program, programmatic dependent launch,
+    half-height tail tiles, pipeline depth), ids < 0 included, against float64."""
     from moe_ops.tuning.heuristics import heuristic_config, neighbours
 
     args = _inputs(name, T, dtype, routing="negative", seed=T + 3)
     H, I, E, K = SHAPES[name]
     ref = _oracle(*args)
     base = heuristic_config(T, E, K, H, I, "cuda", dtype)
-    words = ("tma", "direct", "fused", "pdl", "s3", "s4", "half", "combine", "rows")
+    words = ("tma", "direct", "fused", "pdl", "s3", "s4", "half", "combine")
     picked = {k: v for k, v in neighbours(base, dtype).items()
               if k == "heuristic" or any(w in k for w in words)}
     assert len(picked) >= 2

@@ -45,7 +45,6 @@ class TestTableFormat(TestCase):
      "fuse_combine": false,
      "group_m": 8,
      "half_tail": false,
-     "ids_rows": false,
      "num_stages": 4,
      "num_warps": 4,
      "pdl": false,

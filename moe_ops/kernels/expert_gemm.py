@@ -134,47 +134,35 @@ def gate_up_kernel(
     USE_TMA: tl.constexpr = False, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False, TMA_PAIR: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, n_counters=0,
-    BLOCK_C: tl.constexpr = 0, ROWS_FROM_IDS: tl.constexpr = False, stride_it=0,
-    BLOCK_S: tl.constexpr = 0,
+    BLOCK_C: tl.constexpr = 0,
 ):
-    """ROWS_FROM_IDS (small T*K, see ids_expert): row block pid_m is expert slot pid_m;
-    sorted_ptr, block_expert_ptr and num_rows_ptr are then the slot table, experts and row
-    counts this kernel writes for the down kernel, and act is indexed by slot."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
-    if ROWS_FROM_IDS:
-        gate_up_ids_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
-                         pid_m, pid_n, n_slots, H, I, top_k, stride_xt, stride_xh, stride_we,
-                         stride_wn, stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N,
-                         BLOCK_K, DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_it,
-                         stride_ik, n_experts, USE_PDL, TMA_PAIR, BLOCK_S)
+    if BLOCK_C > 0:   # the down kernel's combine counters (T == 1), zeroed after the wait
+        if tl.program_id(0) == 0:
+            offs_c = tl.arange(0, BLOCK_C)
+            tl.store(counters_ptr + offs_c, tl.zeros((BLOCK_C,), tl.int32), mask=offs_c < n_counters)
+    if not DIRECT:
+        num_rows = tl.load(num_rows_ptr)
+        if pid_m * BLOCK_M >= num_rows:
+            return
+    # half: a compile-time False unless HALF_TAIL (then a runtime flag: two tile heights)
+    half = False
+    if HALF_TAIL and not DIRECT:
+        half = half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M)
+    if half:
+        gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+                      n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
+                      stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
+                      DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
+                      DIRECT, USE_PDL, TMA_PAIR, BLOCK_M // 2)
     else:
-        if BLOCK_C > 0:   # the down kernel's combine counters (T == 1), zeroed after the wait
-            if tl.program_id(0) == 0:
-                offs_c = tl.arange(0, BLOCK_C)
-                tl.store(counters_ptr + offs_c, tl.zeros((BLOCK_C,), tl.int32),
-                         mask=offs_c < n_counters)
-        if not DIRECT:
-            num_rows = tl.load(num_rows_ptr)
-            if pid_m * BLOCK_M >= num_rows:
-                return
-        # half: a compile-time False unless HALF_TAIL (then a runtime flag: two tile heights)
-        half = False
-        if HALF_TAIL and not DIRECT:
-            half = half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M)
-        if half:
-            gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
-                          n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
-                          stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
-                          DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
-                          DIRECT, USE_PDL, TMA_PAIR, BLOCK_M // 2)
-        else:
-            gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
-                          n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
-                          stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
-                          DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
-                          DIRECT, USE_PDL, TMA_PAIR, BLOCK_M)
+        gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+                      n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
+                      stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
+                      DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
+                      DIRECT, USE_PDL, TMA_PAIR, BLOCK_M)
 
 
 @triton.jit
@@ -188,20 +176,6 @@ def gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pi
     """gate_up_kernel's work on the first TILE_M rows of row block pid_m."""
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
                                           stride_ik, n_experts, BLOCK_M, DIRECT, TILE_M)
-    gate_up_rows(x_ptr, w_ptr, act_ptr, e, rows, slots, row_valid, pid_n, H, I, top_k,
-                 stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_am, z_ptr,
-                 stride_z, TILE_M, BLOCK_N, BLOCK_K, DOT_PRECISION, SAVE_Z, w_desc, USE_TMA,
-                 PDL_LATE, TMA_PAIR)
-
-
-@triton.jit
-def gate_up_rows(x_ptr, w_ptr, act_ptr, e, rows, slots, row_valid, pid_n, H, I, top_k,
-                 stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_am, z_ptr,
-                 stride_z, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr, w_desc,
-                 USE_TMA: tl.constexpr, PDL_LATE: tl.constexpr, TMA_PAIR: tl.constexpr):
-    """act[rows] (and with SAVE_Z z[slots]) of expert e for the given TILE_M rows: token rows
-    slots // top_k gathered from x, columns pid_n*BLOCK_N.. of I."""
     tok = tl.where(row_valid, slots // top_k, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
@@ -223,61 +197,6 @@ def gate_up_rows(x_ptr, w_ptr, act_ptr, e, rows, slots, row_valid, pid_n, H, I, 
 
 
 @triton.jit
-def ids_expert(ids_ptr, stride_it, stride_ik, n_slots, top_k, n_experts, b,
-               BLOCK_S: tl.constexpr):
-    """Rows straight from the ids (ROWS_FROM_IDS, small T*K, no alignment launch): expert slot b
-    is the b-th distinct valid id in slot order (first occurrences), its rows are the slots
-    holding it, in slot order. Returns (e, count, member, pos, p): the expert (0 when b is past
-    the distinct ids, then count = 0), its slot count, and over the BLOCK_S slots p whether
-    each holds e and its position among them. [BLOCK_S, BLOCK_S] compares: T*K <= 128."""
-    p = tl.arange(0, BLOCK_S)
-    ids = tl.load(ids_ptr + (p // top_k) * stride_it + (p % top_k) * stride_ik,
-                  mask=p < n_slots, other=-1).to(tl.int32)
-    valid = (ids >= 0) & (ids < n_experts)
-    ids = tl.where(valid, ids, -1)
-    earlier = (ids[:, None] == ids[None, :]) & (p[None, :] < p[:, None])
-    first = valid & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
-    mine = first & (tl.cumsum(first.to(tl.int32), axis=0) == b + 1)
-    e = tl.sum(tl.where(mine, ids, 0))
-    found = tl.sum(mine.to(tl.int32)) + p * 0   # a vector: masks stay boolean tensors
-    member = valid & (ids == e) & (found > 0)
-    member_i = member.to(tl.int32)
-    return e, tl.sum(member_i), member, tl.cumsum(member_i, axis=0) - 1, p
-
-
-@triton.jit
-def gate_up_ids_rows(x_ptr, w_ptr, act_ptr, table_ptr, experts_ptr, counts_ptr, pid_m, pid_n,
-                     n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
-                     stride_wk, stride_am, z_ptr, stride_z, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     SAVE_Z: tl.constexpr, w_desc, USE_TMA: tl.constexpr, ids_ptr, stride_it,
-                     stride_ik, n_experts, PDL_LATE: tl.constexpr, TMA_PAIR: tl.constexpr,
-                     BLOCK_S: tl.constexpr):
-    """gate_up_kernel with ROWS_FROM_IDS: expert slot pid_m's rows found from the ids, act
-    stored per slot (act[slot]); the programs of column tile 0 also write the expert slot's
-    expert (-1 if none), row count and slots (table[pid_m, :count]) for the down kernel. An
-    expert with more than BLOCK_M slots (ids repeated within tokens) takes several chunks."""
-    e, count, member, pos, p = ids_expert(ids_ptr, stride_it, stride_ik, n_slots, top_k,
-                                          n_experts, pid_m, BLOCK_S)
-    if pid_n == 0:
-        tl.store(experts_ptr + pid_m, tl.where(count > 0, e, -1))
-        tl.store(counts_ptr + pid_m, count)
-        tl.store(table_ptr + pid_m * BLOCK_S + pos, p, mask=member)
-    m = tl.arange(0, BLOCK_M)
-    for c0 in range(0, count, BLOCK_M):
-        sel = member[None, :] & (pos[None, :] == (c0 + m)[:, None])
-        slots = tl.sum(tl.where(sel, p[None, :], 0), axis=1)
-        row_valid = c0 + m < count
-        slots = tl.where(row_valid, slots, n_slots)
-        gate_up_rows(x_ptr, w_ptr, act_ptr, e.to(tl.int64), slots, slots, row_valid, pid_n, H,
-                     I, top_k, stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
-                     stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-                     SAVE_Z, w_desc, USE_TMA, False, TMA_PAIR)
-    if PDL_LATE:
-        gdc_launch_dependents()
-
-
-@triton.jit
 def down_kernel(
     act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     n_slots, H, I, top_k,
@@ -289,7 +208,6 @@ def down_kernel(
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, out_ptr=None, stride_oh=0,
     COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False,
-    ROWS_FROM_IDS: tl.constexpr = False, BLOCK_S: tl.constexpr = 0,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
@@ -298,47 +216,29 @@ def down_kernel(
     programs of an H tile stores its slot's row, then counts itself in counters[pid_n] (zeroed by
     this call's gate_up kernel); the one that counts last sums the K rows in order 0..K-1 in
     float32 into out, exactly as combine_kernel does (bitwise the same result, whichever program
-    is last).
-    ROWS_FROM_IDS: row block pid_m is expert slot pid_m, its expert, row count and slots read
-    from what this call's gate_up kernel wrote (block_expert_ptr, num_rows_ptr, sorted_ptr as
-    [slots, BLOCK_S]); act is indexed by slot."""
+    is last)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
-    if ROWS_FROM_IDS:
-        e = tl.load(block_expert_ptr + pid_m)
-        count = tl.load(num_rows_ptr + pid_m)
-        m = tl.arange(0, BLOCK_M)
-        for c0 in range(0, count, BLOCK_M):
-            row_valid = c0 + m < count
-            slots = tl.load(sorted_ptr + pid_m * BLOCK_S + c0 + m, mask=row_valid,
-                            other=n_slots)
-            down_rows(act_ptr, w_ptr, y_ptr, weights_ptr, e.to(tl.int64), slots, slots,
-                      row_valid, pid_n, H, I, top_k, stride_am, stride_we, stride_wn,
-                      stride_wk, stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N,
-                      BLOCK_K, DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, False)
-        if USE_PDL:
-            gdc_launch_dependents()
+    if not DIRECT:
+        num_rows = tl.load(num_rows_ptr)
+        if pid_m * BLOCK_M >= num_rows:
+            return
+    half = False   # as in gate_up_kernel
+    if HALF_TAIL and not DIRECT:
+        half = half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M)
+    if half:
+        down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
+                   pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
+                   stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
+                   DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
+                   n_experts, DIRECT, USE_PDL, BLOCK_M // 2)
     else:
-        if not DIRECT:
-            num_rows = tl.load(num_rows_ptr)
-            if pid_m * BLOCK_M >= num_rows:
-                return
-        half = False   # as in gate_up_kernel
-        if HALF_TAIL and not DIRECT:
-            half = half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M)
-        if half:
-            down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
-                       pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
-                       stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
-                       DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                       n_experts, DIRECT, USE_PDL, BLOCK_M // 2)
-        else:
-            down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
-                       pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
-                       stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
-                       DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                       n_experts, DIRECT, USE_PDL, BLOCK_M)
+        down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
+                   pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
+                   stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
+                   DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
+                   n_experts, DIRECT, USE_PDL, BLOCK_M)
     if COMBINE_K > 0:
         combine_last(y_ptr, ids_ptr, counters_ptr, out_ptr, pid_n, H, n_experts, stride_ik,
                      stride_ym, stride_oh, BLOCK_N, COMBINE_K, FENCE)
@@ -380,19 +280,6 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
     """down_kernel's work on the first TILE_M rows of row block pid_m."""
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
                                           stride_ik, n_experts, BLOCK_M, DIRECT, TILE_M)
-    down_rows(act_ptr, w_ptr, y_ptr, weights_ptr, e, rows, slots, row_valid, pid_n, H, I, top_k,
-              stride_am, stride_we, stride_wn, stride_wk, stride_tw_t, stride_tw_k, stride_ym,
-              TILE_M, BLOCK_N, BLOCK_K, DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT,
-              PDL_LATE)
-
-
-@triton.jit
-def down_rows(act_ptr, w_ptr, y_ptr, weights_ptr, e, rows, slots, row_valid, pid_n, H, I, top_k,
-              stride_am, stride_we, stride_wn, stride_wk, stride_tw_t, stride_tw_k, stride_ym,
-              TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr, w_desc,
-              TMA_LAYOUT: tl.constexpr, PDL_LATE: tl.constexpr):
-    """y[slots] = (weight *) act[rows] @ W_e[n-tile]^T for the given TILE_M rows."""
     rows64 = rows.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H

@@ -31,10 +31,6 @@ class Alignment:
     def max_rows(self) -> int:
         return self.sorted_slots.shape[0]
 
-    @property
-    def n_blocks(self) -> int:
-        return self.max_rows // self.block_m
-
 
 def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     dev = topk_ids.device

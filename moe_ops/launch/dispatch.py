@@ -10,7 +10,7 @@ import torch
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
 from moe_ops.kernels.expert_gemm import (combine_kernel, down_combine_one_token_kernel, down_kernel,
                                          gate_up_kernel)
-from moe_ops.launch.alignment import Alignment, align_triton
+from moe_ops.launch.alignment import align_triton
 from moe_ops.tuning.heuristics import dispatch_config
 
 
@@ -35,12 +35,8 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, hidden.dtype)
     # One token: its K slots have K distinct experts, so slot k can be row block k as it stands
     # (no alignment launch; the z of a training forward is per slot either way).
-    if cfg.direct and T == 1:
-        al = DirectRows(topk_ids, cfg.block_m)
-    elif cfg.ids_rows and T * K <= IDS_ROWS_MAX_SLOTS:
-        al = IdsRows.make(topk_ids, E, cfg.block_m)   # no alignment launch either
-    else:
-        al = align_triton(topk_ids, E, cfg.block_m)
+    al = DirectRows(topk_ids, cfg.block_m) if cfg.direct and T == 1 else \
+        align_triton(topk_ids, E, cfg.block_m)
     n_slots = T * K
     act = torch.empty(al.max_rows, I, dtype=hidden.dtype, device=dev)
     z = torch.empty(T * K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else None
@@ -74,7 +70,7 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
     kernel before was still using)."""
     H = hidden.shape[1]
     I = act.shape[1]
-    n_blocks = al.n_blocks
+    n_blocks = al.max_rows // cfg.block_m
     zz = act if z is None else z
     w_desc, pair = None, False
     if cfg.tma and cfg.tma_pair:   # [E, 2I, H] seen as [E, 2, I, H]: gate and up in one copy
@@ -84,7 +80,7 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
         pair = w_desc is not None
     if cfg.tma and w_desc is None:
         w_desc = weight_desc(w13, [1, cfg.block_n1, cfg.block_k1])
-    direct = _rows_args(al, w13.shape[0], gate_up=True)
+    direct = _direct_args(al, w13.shape[0])
     cnt = {} if counters is None else dict(counters_ptr=counters, n_counters=counters.numel(),
                                            BLOCK_C=next_pow2(counters.numel()))
     kernel_for(gate_up_kernel, hidden.device)[(n_blocks * cdiv(I, cfg.block_n1),)](
@@ -112,7 +108,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     block_m/2 valid rows run a half-height tile. `combine` = (counters, out, topk_ids), direct
     rows only: the last program per N tile also sums the K rows into out ([1, N])."""
     bm = al.block_m
-    n_blocks = al.n_blocks
+    n_blocks = al.max_rows // bm
     tw = weights if weights is not None else y
     w_desc, layout = None, 0
     if tma and tuple(w_strides) == tuple(w.stride()):       # storage [E, N, K]
@@ -121,10 +117,10 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         w_desc, layout = weight_desc(w, [1, block_k, block_n]), 2
     if w_desc is None:
         layout = 0
-    direct = _rows_args(al, w.shape[0], gate_up=False)
+    direct = _direct_args(al, w.shape[0])
     comb = {}
     if combine is not None:
-        if not isinstance(al, DirectRows):
+        if not direct:
             raise ValueError("the folded combine needs direct rows (T == 1)")
         counters, out, ids = combine
         comb = dict(counters_ptr=counters, out_ptr=out, stride_oh=out.stride(1),
@@ -189,49 +185,6 @@ class DirectRows:
 
     block_expert = num_rows = sorted_slots
 
-    @property
-    def n_blocks(self) -> int:
-        return self.ids.shape[1]
-
-
-# ROWS_FROM_IDS finds each expert's rows from the ids inside the gate+up kernel with
-# [T*K, T*K] compares per program (moe_ops.kernels.expert_gemm.ids_expert): small T*K only.
-IDS_ROWS_MAX_SLOTS = 128
-
-
-@dataclass
-class IdsRows:
-    """The rows of a small call without an alignment launch (DispatchConfig.ids_rows): row
-    block b is the b-th distinct valid id in slot order, found by the gate+up kernel from the
-    ids, which also writes the expert, row count and slots of each block for the down kernel
-    into these buffers (sized from shapes: min(E, T*K) blocks of up to block_s slots). The
-    activation is indexed by slot (max_rows = T*K rows)."""
-    ids: torch.Tensor            # topk_ids [T, K]
-    block_m: int
-    block_s: int                 # next_pow2(T*K)
-    sorted_slots: torch.Tensor   # int32 [n_blocks, block_s]: block b's slots, first count[b]
-    block_expert: torch.Tensor   # int32 [n_blocks]: the expert, -1 past the distinct ids
-    num_rows: torch.Tensor       # int32 [n_blocks]: row count of each block
-
-    @classmethod
-    def make(cls, topk_ids: torch.Tensor, num_experts: int, block_m: int) -> "IdsRows":
-        n_slots = topk_ids.numel()
-        n_blocks = min(num_experts, n_slots)
-        block_s = next_pow2(n_slots)
-        dev = topk_ids.device
-        return cls(topk_ids, block_m, block_s,
-                   torch.empty(n_blocks, block_s, dtype=torch.int32, device=dev),
-                   torch.empty(n_blocks, dtype=torch.int32, device=dev),
-                   torch.empty(n_blocks, dtype=torch.int32, device=dev))
-
-    @property
-    def max_rows(self) -> int:
-        return self.ids.numel()
-
-    @property
-    def n_blocks(self) -> int:
-        return self.block_expert.shape[0]
-
 
 def _pdl_args(pdl: bool, device: torch.device) -> dict:
     """Launch options of a kernel with programmatic dependent launch (Hopper and later; off in the
@@ -249,7 +202,7 @@ def _compiled_code(device: torch.device) -> bool:
 
 def _half_tail(enabled: bool, al) -> bool:
     """Half-height tiles for tail row blocks: aligned rows only, and blocks of >= 32 rows."""
-    return bool(enabled) and isinstance(al, Alignment) and al.block_m >= 32
+    return bool(enabled) and not isinstance(al, DirectRows) and al.block_m >= 32
 
 
 @functools.lru_cache(maxsize=None)
@@ -257,14 +210,7 @@ def _sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _rows_args(al, n_experts, gate_up: bool) -> dict:
-    """Kernel arguments of the rows' source: none for an alignment, the ids for direct rows,
-    the ids (gate+up kernel) or the block tables it writes (down kernel) for IdsRows."""
-    if isinstance(al, IdsRows):
-        if not gate_up:
-            return dict(ROWS_FROM_IDS=True, BLOCK_S=al.block_s)
-        return dict(ids_ptr=al.ids, stride_it=al.ids.stride(0), stride_ik=al.ids.stride(1),
-                    n_experts=n_experts, ROWS_FROM_IDS=True, BLOCK_S=al.block_s)
+def _direct_args(al, n_experts) -> dict:
     if not isinstance(al, DirectRows):
         return {}
     return dict(ids_ptr=al.ids, stride_ik=al.ids.stride(1), n_experts=n_experts, DIRECT=True)

@@ -25,7 +25,6 @@ class DispatchConfig:
     tma_pair: bool = False  # with tma: gate and up weight tiles in one copy, one product
     half_tail: bool = False  # tail row blocks (<= block_m/2 valid rows) on a half-height tile
     combine_last: bool = False  # T == 1, direct rows: the down kernel's last program combines
-    ids_rows: bool = False  # small T*K: rows found from the ids in the gate+up kernel, no alignment
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -175,8 +174,6 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
         cands["fused n32 k256" if fc else "n32 k256"] = r(base, fuse_combine=True,
                                                            block_n2=32, block_k2=256)
     cands["no pdl" if base.pdl else "pdl"] = r(base, pdl=not base.pdl)
-    if base.block_m == 16 and not base.direct:
-        cands["aligned rows" if base.ids_rows else "ids rows"] = r(base, ids_rows=not base.ids_rows)
     if base.direct and not base.fuse_combine:
         cands["combine kernel" if base.combine_last else "combine last"] = r(
             base, combine_last=not base.combine_last)

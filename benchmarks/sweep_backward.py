@@ -38,6 +38,10 @@ def variants(base):
         "wg persistent s2": r(base, wg_persistent=True, wg_stages=2),
         "wg persistent 128x128 s4": r(base, wg_persistent=True, wg_n=128, wg_stages=4),
         "wg persistent k32 s6": r(base, wg_persistent=True, wg_k=32, wg_stages=6),
+        "wg persistent k128 128x128 s2": r(base, wg_persistent=True, wg_k=128, wg_n=128,
+                                           wg_stages=2),
+        "wg persistent k128 128x128 s3": r(base, wg_persistent=True, wg_k=128, wg_n=128,
+                                           wg_stages=3),
     }
 
 

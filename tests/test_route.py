@@ -93,6 +93,22 @@ def test_strided_bias(interpreter, kw):
         assert torch.equal(ids, ids_c) and torch.equal(w, w_c)
 
 
+@pytest.mark.parametrize("path", ["reference_path", "interpreter"])
+def test_float64_logits_scored_in_float32(path, request):
+    """Scores are computed in float32 whatever the logits' dtype (CONTRACT.md): float64 logits
+    (and bias) give exactly what their float32 rounding gives, weights in float32."""
+    request.getfixturevalue(path)
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(20, 16, dtype=torch.float64, generator=g)
+    bias = torch.randn(16, dtype=torch.float64, generator=g) * 0.1
+    for kw in ({}, {"scoring": "sigmoid", "bias": bias, "num_groups": 4, "topk_groups": 2}):
+        w, ids = torch.ops.moe.route(logits, 4, **kw)
+        kw32 = {k: (v.float() if torch.is_tensor(v) else v) for k, v in kw.items()}
+        w32, ids32 = torch.ops.moe.route(logits.float(), 4, **kw32)
+        assert w.dtype == torch.float32 and ids.dtype == torch.int32
+        assert torch.equal(ids, ids32) and torch.equal(w, w32)
+
+
 def test_poisoned_outputs_fully_written(interpreter):
     logits = torch.randn(13, 16)
     w = torch.full((13, 3), float("nan"))

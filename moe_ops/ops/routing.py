@@ -20,7 +20,12 @@ ROUTE = define(ROUTE_SCHEMA)
 def _route_impl(router_logits, top_k, scoring="softmax", renormalize=True, bias=None,
                 num_groups=1, topk_groups=1, scale=1.0):
     check_route(router_logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, scale)
-    if use_triton(router_logits) and router_logits.dtype != torch.float64:
+    if router_logits.dtype == torch.float64:
+        # The contract scores in float32 whatever the logits' dtype: float64 logits give what
+        # their float32 rounding gives (the backward still runs in float64).
+        router_logits = router_logits.float()
+        bias = None if bias is None else bias.float()
+    if use_triton(router_logits):
         from moe_ops.launch.routing import route_triton
 
         return route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups,

@@ -96,6 +96,7 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
             # NOTES.md entry 21, graph replay: Qwen3 T=8 138.4 -> 135.9 us, OLMoE T=8 146.9 ->
             # 139.2, Qwen3 zipf T=8 106.8 -> 102.0, T=32/128 -0.6 to -1.7%, DeepSeek-V3 T=8
             # -1.1%; at T=1 (8 experts x 24 strips: 1.45 waves) +1.7 us, Mixtral +0.2-0.4%.
+            # (num_stages is shared: the down GEMM runs 3 stages too, as measured.)
             cfg = replace(cfg, block_n1=32, block_k1=256, num_stages=3)
         if block_m == 128:
             # Gate and up tiles in one TMA copy and one N=256 product, and 256-wide down tiles

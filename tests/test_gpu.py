@@ -110,6 +110,22 @@ def test_deterministic_bitwise():
         assert torch.equal(torch.ops.moe.dispatch(*args), first)
 
 
+@pytest.mark.parametrize("kw", [{}, {"scoring": "sigmoid", "num_groups": 8, "topk_groups": 4}])
+def test_route_strided_bias_and_float64_logits(kw):
+    """A bias that is a slice or an expanded scalar gives bitwise what its contiguous copy
+    gives; float64 logits give bitwise what their float32 rounding gives (scored in float32)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 256, device="cuda", generator=g)
+    full = torch.randn(512, device="cuda", generator=g) * 0.05
+    for b in (full[1::2], torch.tensor(0.3, device="cuda").expand(256), full[7:263]):
+        w, ids = torch.ops.moe.route(x, 8, bias=b, **kw)
+        w_c, ids_c = torch.ops.moe.route(x, 8, bias=b.contiguous(), **kw)
+        assert torch.equal(ids, ids_c) and torch.equal(w, w_c), b.stride()
+    w64, ids64 = torch.ops.moe.route(x.double(), 8, **kw)
+    w32, ids32 = torch.ops.moe.route(x, 8, **kw)
+    assert w64.dtype == torch.float32 and torch.equal(w64, w32) and torch.equal(ids64, ids32)
+
+
 @pytest.mark.parametrize("E,K,kw", [(8, 2, {}), (128, 8, {}), (64, 8, {"renormalize": False}),
                                     (256, 8, {"scoring": "sigmoid", "num_groups": 8,
                                               "topk_groups": 4, "scale": 2.5})])

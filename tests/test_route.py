@@ -109,6 +109,22 @@ def test_float64_logits_scored_in_float32(path, request):
         assert torch.equal(ids, ids32) and torch.equal(w, w32)
 
 
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_near_ties_same_experts_on_reference_and_kernel(scoring, interpreter):
+    """Logits that differ by less than float32 score rounding (softmax of 0 and 1e-12; sigmoid
+    saturating at 1.0) pick the same experts on the CPU reference and in the Triton kernel
+    (interpreted): both rank the logits, the larger first, ties to the lower index."""
+    logits = torch.tensor([[0.0, 1e-12, -5.0, -5.0], [20.0, 30.0, 25.0, 1.0],
+                           [1.0, 1.0, 0.5, 1.0]])
+    ref_w, ref_ids = route_reference(logits, 2, scoring)
+    assert ref_ids[0, 0] == 1 and ref_ids[1].tolist() == [1, 2] and ref_ids[2].tolist() == [0, 1]
+    w = torch.full((3, 2), float("nan"))
+    ids = torch.full((3, 2), -7, dtype=torch.int32)
+    route_triton(logits, 2, scoring, True, None, 1, 1, 1.0, out=(w, ids))
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=0)
+
+
 def test_poisoned_outputs_fully_written(interpreter):
     logits = torch.randn(13, 16)
     w = torch.full((13, 3), float("nan"))

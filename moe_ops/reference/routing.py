@@ -11,10 +11,17 @@ def _stable_topk(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def selection_scores(logits, scoring, bias, num_groups, topk_groups):
-    """(scores s, selection scores with masked-out groups at -inf), both in float32 or float64."""
+    """(scores s, the values ranked), both in float32 or float64. Ranked: the logits themselves
+    when there is no bias and no grouping (the same order as s, without rounding ties), else
+    s + bias with masked-out groups at -inf."""
     cd = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(cd)
     s = torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x)
+    if bias is None and num_groups == 1:
+        # softmax and sigmoid are monotone, so ranking the logits ranks the scores without the
+        # ties that rounding creates between close logits (e.g. sigmoid saturating at 1.0);
+        # the Triton kernel ranks the same way, so CPU and GPU pick the same experts.
+        return s, x
     sel = s if bias is None else s + bias.to(cd)
     if num_groups > 1:
         T, E = sel.shape

@@ -221,3 +221,16 @@ def test_python_api_scalar_types(kw, match):
 
     with pytest.raises(TypeError, match=match):
         moe_ops.route(torch.randn(4, 8), **kw)
+
+
+def test_python_api_numpy_scalars():
+    """numpy integers and floats pass as Python ones (the same result)."""
+    import moe_ops
+
+    np = pytest.importorskip("numpy")
+
+    logits = torch.randn(5, 8)
+    got = moe_ops.route(logits, np.int64(3), scale=np.float32(1.5), num_groups=np.int32(2),
+                        topk_groups=np.int16(2))
+    want = moe_ops.route(logits, 3, scale=1.5, num_groups=2, topk_groups=2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

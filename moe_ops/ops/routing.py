@@ -1,6 +1,8 @@
 """moe::route: schema, fake, autograd, device dispatch."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from moe_ops._runtime import use_triton
@@ -68,12 +70,22 @@ def route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
     scalar arguments' types are checked here: torch.ops.moe.route itself rejects a float top_k
     in the dispatcher with a RuntimeError and takes a bool as an int."""
     check_tensor_args(router_logits=router_logits)
-    for name, v in (("top_k", top_k), ("num_groups", num_groups), ("topk_groups", topk_groups)):
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    top_k = _scalar("top_k", top_k, numbers.Integral, torch.SymInt, int)
+    num_groups = _scalar("num_groups", num_groups, numbers.Integral, torch.SymInt, int)
+    topk_groups = _scalar("topk_groups", topk_groups, numbers.Integral, torch.SymInt, int)
+    scale = _scalar("scale", scale, numbers.Real, torch.SymFloat, float)
     if bias is not None:
         check_tensor_args(bias=bias)
     return torch.ops.moe.route(router_logits, top_k, scoring, renormalize, bias, num_groups,
                                topk_groups, scale)
+
+
+def _scalar(name, v, kind, sym, cast):
+    """v as a Python int/float (numpy scalars pass; symbolic sizes under torch.compile stay as
+    they are), or a TypeError naming the argument (a bool is not taken as a number)."""
+    if isinstance(v, sym):
+        return v
+    if not isinstance(v, kind) or isinstance(v, bool):
+        raise TypeError(f"{name} must be {'an int' if cast is int else 'a float'}, "
+                        f"got {type(v).__name__}")
+    return cast(v)

@@ -323,6 +323,26 @@ def test_deepcopy_of_patched_model():
     assert is_patched(model)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+def test_patched_model_survives_torch_save_and_load(name, tmp_path):
+    """torch.save / torch.load (pickle) of a patched model: the loaded copy is still patched,
+    gives the same logits, runs the moe ops, and can be reverted."""
+    model = apply_moe_ops(make_model(name))
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    ids = input_ids()
+    assert is_patched(loaded)
+    with torch.no_grad(), OpCounter() as counter:
+        got = loaded(ids).logits
+    blocks = num_moe_blocks(loaded)
+    assert counter.counts == {"route": blocks, "dispatch": blocks}, counter.counts
+    with torch.no_grad():
+        assert torch.equal(got, model(ids).logits)
+    revert_moe_ops(loaded)
+    assert_pristine(loaded)
+
+
 # ------------------------------------------------------------------------------------------------
 # Class route
 

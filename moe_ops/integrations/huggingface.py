@@ -23,8 +23,8 @@ Works with transformers 5.x (checked against 5.17 and 5.24).
 """
 from __future__ import annotations
 
+import functools
 import importlib
-import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -293,7 +293,10 @@ def _patch_instance(module, fn, attr):
     if _SAVED in module.__dict__:
         return  # already patched: patching twice is harmless
     module.__dict__[_SAVED] = (attr, module.__dict__.get(attr))
-    module.__dict__[attr] = types.MethodType(fn, module)
+    # functools.partial of a module-level function, not a bound method: a bound method pickles
+    # as getattr(module, fn.__name__), which the patched class does not have, so a patched model
+    # saved with torch.save / pickle could not be loaded.
+    module.__dict__[attr] = functools.partial(fn, module)
 
 
 def _unpatch_instance(module):

@@ -46,6 +46,9 @@ def set_recompute(enabled: bool | None) -> bool:
     None restores the default (MOE_OPS_RECOMPUTE). Read when the forward runs (under
     torch.compile: when it is traced). Returns the previous setting."""
     global _recompute
+    if enabled is not None and not isinstance(enabled, (bool, int)):
+        # bool("no") is True: a string would silently turn the recompute on
+        raise TypeError(f"set_recompute(enabled) takes True, False or None, got {enabled!r}")
     previous = recompute_enabled()
     _recompute = None if enabled is None else bool(enabled)
     return previous

@@ -260,6 +260,21 @@ def test_error_non_tensor_through_python_api():
 def test_error_activation():
     with pytest.raises(ValueError, match="activation must be 'silu'"):
         torch.ops.moe.dispatch(*_good(), activation="gelu")
+    import moe_ops
+
+    with pytest.raises(TypeError, match="activation must be a str"):
+        moe_ops.dispatch(*_good(), activation=None)
+
+
+def test_set_recompute_rejects_non_bool():
+    """A string would silently turn the recompute on (bool("no") is True)."""
+    import moe_ops
+    from moe_ops._runtime import recompute_enabled
+
+    before = recompute_enabled()
+    with pytest.raises(TypeError, match="set_recompute"):
+        moe_ops.set_recompute("no")
+    assert recompute_enabled() == before   # left as it was
 
 
 def test_error_K_greater_than_E():

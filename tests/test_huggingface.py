@@ -500,9 +500,12 @@ def test_unsupported_experts_layout_in_known_block_raises():
     assert_pristine(model)
 
 
-def test_not_a_module_raises():
-    with pytest.raises(TypeError):
-        apply_moe_ops("mixtral")
+@pytest.mark.parametrize("fn", [apply_moe_ops, revert_moe_ops, is_patched])
+def test_not_a_module_raises(fn):
+    with pytest.raises(TypeError, match=f"{fn.__name__} expects a torch.nn.Module or None"):
+        fn("mixtral")
+    with pytest.raises(TypeError, match="got int"):
+        fn(123)
 
 
 # ------------------------------------------------------------------------------------------------

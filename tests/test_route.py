@@ -213,6 +213,8 @@ def test_errors(call, exc, match):
     ({"top_k": 2, "num_groups": 2.0}, "num_groups must be an int"),
     ({"top_k": 2, "topk_groups": None}, "topk_groups must be an int"),
     ({"top_k": 2, "scale": "1"}, "scale must be a float"),
+    ({"top_k": 2, "scoring": None}, "scoring must be a str"),
+    ({"top_k": 2, "renormalize": "no"}, "renormalize must be a bool"),
 ])
 def test_python_api_scalar_types(kw, match):
     """moe_ops.route names a scalar argument of the wrong type (TypeError) before the

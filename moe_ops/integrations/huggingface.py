@@ -411,8 +411,7 @@ def apply_moe_ops(model: torch.nn.Module | None = None):
             _patch_class(router_cls, fam.router_forward)
             _patch_class(experts_cls, moe_ops_experts_forward)
         return None
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"apply_moe_ops expects a torch.nn.Module or None, got {type(model).__name__}")
+    _check_module("apply_moe_ops", model)
     for router, router_attr, experts, experts_attr, fam in _plan(model):
         _patch_instance(router, fam.router_forward, router_attr)
         _patch_instance(experts, _patched_experts_forward, experts_attr)
@@ -425,6 +424,7 @@ def revert_moe_ops(model: torch.nn.Module | None = None):
     if model is None:
         _revert_classes()
         return None
+    _check_module("revert_moe_ops", model)
     for module in model.modules():
         if _SAVED in module.__dict__:
             _unpatch_instance(module)
@@ -436,4 +436,10 @@ def is_patched(model: torch.nn.Module | None = None) -> bool:
     classes)."""
     if model is None:
         return bool(_CLASS_SAVED)
+    _check_module("is_patched", model)
     return any(_SAVED in m.__dict__ for m in model.modules())
+
+
+def _check_module(fn: str, model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{fn} expects a torch.nn.Module or None, got {type(model).__name__}")

@@ -176,4 +176,6 @@ def dispatch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """Python entry point of `torch.ops.moe.dispatch`. Argument types are checked here too: a
     non-tensor given to torch.ops.moe.dispatch itself fails in the dispatcher with a RuntimeError."""
     check_tensor_args(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    if not isinstance(activation, str):
+        raise TypeError(f"activation must be a str ('silu'), got {type(activation).__name__}")
     return torch.ops.moe.dispatch(hidden, w13, w2, topk_weights, topk_ids, activation)

@@ -74,6 +74,10 @@ def route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
     num_groups = _scalar("num_groups", num_groups, numbers.Integral, torch.SymInt, int)
     topk_groups = _scalar("topk_groups", topk_groups, numbers.Integral, torch.SymInt, int)
     scale = _scalar("scale", scale, numbers.Real, torch.SymFloat, float)
+    if not isinstance(scoring, str):
+        raise TypeError(f"scoring must be a str ('softmax' or 'sigmoid'), got {type(scoring).__name__}")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
     if bias is not None:
         check_tensor_args(bias=bias)
     return torch.ops.moe.route(router_logits, top_k, scoring, renormalize, bias, num_groups,

@@ -272,6 +272,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2 (the first token comes from the prefill)")
+    for flag in ("layers", "batch", "prompt_len"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device")
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

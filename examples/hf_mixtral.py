@@ -136,6 +136,10 @@ def main():
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
+    for flag in ("new_tokens", "batch", "prompt_len", "layers", "repeats"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:   # 0 must not fall back to the default below
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
     device = args.device
     new_tokens = args.new_tokens or (32 if device == "cuda" else 16)
     if new_tokens < 2:

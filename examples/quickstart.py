@@ -62,6 +62,10 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokens", type=int, default=None)
     args = p.parse_args()
+    if args.tokens is not None and args.tokens < 1:   # 0 must not fall back to the default
+        p.error(f"--tokens must be >= 1, got {args.tokens}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA device")
     torch.manual_seed(0)
     if args.device == "cuda":
         H, I, E, K, T, dtype, tol = 4096, 14336, 8, 2, args.tokens or 512, torch.bfloat16, 2e-2

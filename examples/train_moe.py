@@ -234,6 +234,12 @@ def main():
         moe_ops.set_recompute(True)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
+    for flag in ("steps", "batch", "seq_len", "layers", "log_every", "branching"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:   # 0 must not fall back to the default below
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if args.lr is not None and args.lr <= 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
     device = args.device
     gpu = device == "cuda"
     steps = args.steps or (200 if gpu else 60)

@@ -32,6 +32,8 @@ import torch
 
 import moe_ops  # registers torch.ops.moe.*
 from moe_ops import _baselines as bl
+from moe_ops._cli import device as cli_device
+from moe_ops._cli import token_count
 from moe_ops.reference import dispatch_reference
 
 
@@ -675,7 +677,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m moe_ops.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="default: all")
-    p.add_argument("--tokens", nargs="+", type=int, help=f"default: {TOKENS} ({TINY_TOKENS} with --tiny)")
+    p.add_argument("--tokens", nargs="+", type=token_count,
+                   help=f"default: {TOKENS} ({TINY_TOKENS} with --tiny)")
     p.add_argument("--impls", nargs="+", choices=IMPLS, help="default: all")
     p.add_argument("--tiny", action="store_true",
                    help="tiny H and I (same E, K, routing), few reps: a smoke test that runs on CPU")
@@ -702,6 +705,11 @@ def parse_args(argv=None):
                         "(default: no limit on CUDA, 20 on CPU)")
     p.add_argument("--seed", type=int, default=0)
     opts = p.parse_args(argv)
+    opts.device = cli_device(p, opts.device)
+    for flag in ("warmup_ms", "rep_ms", "max_call_ms"):
+        v = getattr(opts, flag)
+        if v is not None and v <= 0:
+            p.error(f"--{flag.replace('_', '-')} must be > 0, got {v}")
     # Refuse before benchmarking (minutes) what would fail only when the results are written.
     if opts.plot:
         try:
@@ -715,7 +723,7 @@ def parse_args(argv=None):
     return opts
 
 
-def resolve_device(name: Optional[str]) -> torch.device:
+def resolve_device(name) -> torch.device:
     """The device to benchmark on (CUDA when present), with its index made current."""
     device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:

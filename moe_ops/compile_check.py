@@ -181,17 +181,23 @@ def forward_launches(shape, T, cfg, dtype, backward=False, rows_per_expert=None)
 
 
 def main(argv=None) -> int:
+    from moe_ops._cli import token_count
     from moe_ops.tuning.heuristics import heuristic_config, neighbours
     from moe_ops.tuning.shapes import SHAPES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 512, 2048, 8192])
+    p.add_argument("--tokens", nargs="+", type=token_count, default=[1, 8, 512, 2048, 8192])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--neighbours", action="store_true", help="also every sweep neighbour")
     p.add_argument("--backward", action="store_true", help="also the backward's kernels")
     p.add_argument("--dump", help="write each compiled kernel's PTX into this folder")
     args = p.parse_args(argv)
+    if args.dump:
+        try:
+            os.makedirs(args.dump, exist_ok=True)
+        except OSError as exc:
+            p.error(f"--dump {args.dump}: {exc.strerror}")
     dtype = getattr(torch, args.dtype)
     seen, failed = set(), 0
     print(f"{'kernel':<32} {'config':<28} {'shared':>7} {'wgmma':>5} {'mma':>5} {'cp.async':>8} "

@@ -21,6 +21,8 @@ import time
 import torch
 
 import moe_ops  # noqa: F401  (registers the ops)
+from moe_ops._cli import device as cli_device
+from moe_ops._cli import token_count
 from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.ops.samples import make_dispatch_inputs
 from moe_ops.tuning.heuristics import DispatchConfig, heuristic_config, neighbours
@@ -90,22 +92,33 @@ def tune_shape(H, I, E, K, tokens, dtype, device, progress, quick=False):
             "configs": configs}
 
 
+def _shape(parser, text):
+    """--shape H,I,E,K: four ints >= 1 with K <= E (what moe.dispatch accepts)."""
+    try:
+        H, I, E, K = (int(v) for v in text.split(","))
+    except ValueError:
+        parser.error(f"--shape {text}: expected four ints H,I,E,K")
+    if min(H, I, E, K) < 1 or K > E:
+        parser.error(f"--shape {text}: needs H, I, E, K >= 1 and K <= E")
+    return H, I, E, K
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="*", default=[], choices=sorted(SHAPES))
     p.add_argument("--shape", action="append", default=[], help="H,I,E,K")
-    p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512, 2048, 8192])
+    p.add_argument("--tokens", nargs="+", type=token_count, default=[1, 8, 32, 128, 512, 2048, 8192])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--out-dir", default=None, help="where the table goes (default: the package's)")
     p.add_argument("--quick", action="store_true",
                    help="only the heuristic's neighbours (~10 candidates per token count instead "
                         "of ~100; moe_ops.tuning.heuristics.neighbours)")
     args = p.parse_args(argv)
-    shapes = [SHAPES[n] for n in args.shapes] + [tuple(int(v) for v in s.split(",")) for s in args.shape]
+    shapes = [SHAPES[n] for n in args.shapes] + [_shape(p, s) for s in args.shape]
     if not shapes:
         p.error("give --shapes and/or --shape H,I,E,K")
-    device = torch.device(args.device)
+    device = cli_device(p, args.device)
     dtype = getattr(torch, args.dtype)
     if device.type == "cpu":
         from moe_ops._runtime import interpret_enabled, require_interpreter

@@ -111,6 +111,55 @@ def test_output_directory_is_checked_before_benchmarking(tmp_path):
     assert "ceilings" not in r.stdout
 
 
+@pytest.mark.parametrize("module,args,message", [
+    ("bench", ["--tiny", "--tokens", "0"], "a token count must be >= 1, got 0"),
+    ("bench", ["--tiny", "--device", "foo"], "--device foo: not a device"),
+    ("bench", ["--tiny", "--rep-ms", "0"], "--rep-ms must be > 0"),
+    ("tune", ["--shape", "a,b,c,d", "--tokens", "1"], "--shape a,b,c,d: expected four ints"),
+    ("tune", ["--shape", "64,32,8,9", "--tokens", "1"], "K <= E"),
+    ("tune", ["--shape", "64,32,8,2", "--tokens", "-3"], "a token count must be >= 1"),
+    ("compile_check", ["--tokens", "-5"], "a token count must be >= 1, got -5"),
+    ("compile_check", ["--tokens", "1", "--dump", "/proc/no/such/dir"], "--dump /proc/no/such/dir"),
+])
+def test_cli_bad_arguments_are_usage_errors(module, args, message, capsys):
+    """Bad arguments end in argparse's usage error (exit 2) naming the argument, before any
+    work, never in a traceback from inside a run."""
+    import importlib
+
+    mod = importlib.import_module(f"moe_ops.{module}")
+    with pytest.raises(SystemExit) as exc:
+        mod.parse_args(args) if module == "bench" else mod.main(args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only message")
+@pytest.mark.parametrize("module", ["bench", "tune"])
+def test_cli_cuda_without_cuda(module, capsys):
+    import importlib
+
+    mod = importlib.import_module(f"moe_ops.{module}")
+    args = ["--device", "cuda"] + (["--tiny"] if module == "bench" else ["--shape", "64,32,8,2"])
+    with pytest.raises(SystemExit) as exc:
+        mod.parse_args(args) if module == "bench" else mod.main(args)
+    assert exc.value.code == 2 and "no CUDA device here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script,args,message", [
+    ("quickstart.py", ["--tokens", "0"], "--tokens must be >= 1"),
+    ("train_moe.py", ["--steps", "0"], "--steps must be >= 1"),
+    ("train_moe.py", ["--branching", "0"], "--branching must be >= 1"),
+    ("hf_mixtral.py", ["--layers", "0"], "--layers must be >= 1"),
+    ("cuda_graph_decode.py", ["--prompt-len", "0"], "--prompt-len must be >= 1"),
+])
+def test_examples_reject_zero_counts(script, args, message):
+    """An explicit 0 is a usage error, not a silent fall-back to the default (the examples
+    read `args.x or default`)."""
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / script)] + args,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr, (r.returncode, r.stderr[-500:])
+
+
 def _cell(T, floor_us, **results):
     return bench.Cell("s", T, floor_us, 0, 0, 1, 1.0, None, None, True,
                       {n: bench.Result("s", T, n, **kw) for n, kw in results.items()})

@@ -1,0 +1,41 @@
+"""Argument checks shared by the command-line tools (moe_ops.bench, moe_ops.tune,
+moe_ops.compile_check): a bad argument ends in argparse's usage error naming it, not in a
+traceback from deep inside a run."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def token_count(text: str) -> int:
+    """argparse type of a token count: an int >= 1 (T = 0 is valid for the ops, but there is
+    nothing to time or tune)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a token count must be >= 1, got {value}")
+    return value
+
+
+def device(parser: argparse.ArgumentParser, name: str | None, flag: str = "--device",
+           default: str | None = None) -> torch.device:
+    """torch.device(name or default or (cuda if available else cpu)), or parser.error naming
+    the flag when the string is not a device or names a CUDA device this machine lacks."""
+    name = name or default or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        parser.error(f"{flag} {name}: not a device ({exc})")
+    if dev.type not in ("cpu", "cuda"):
+        parser.error(f"{flag} {name}: moe_ops runs on cpu or cuda")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error(f"{flag} {name}: no CUDA device here (torch.cuda.is_available() is "
+                         f"False; torch {torch.__version__})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            parser.error(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA "
+                         "device(s)")
+    return dev

@@ -193,6 +193,10 @@ def main(argv=None) -> int:
     p.add_argument("--backward", action="store_true", help="also the backward's kernels")
     p.add_argument("--dump", help="write each compiled kernel's PTX into this folder")
     args = p.parse_args(argv)
+    from moe_ops._runtime import interpret_enabled
+
+    if interpret_enabled():   # the kernels would be interpreted functions, not compilable
+        p.error("compile_check compiles the kernels for sm_90: unset TRITON_INTERPRET")
     if args.dump:
         try:
             os.makedirs(args.dump, exist_ok=True)

@@ -121,16 +121,26 @@ def test_output_directory_is_checked_before_benchmarking(tmp_path):
     ("compile_check", ["--tokens", "-5"], "a token count must be >= 1, got -5"),
     ("compile_check", ["--tokens", "1", "--dump", "/proc/no/such/dir"], "--dump /proc/no/such/dir"),
 ])
-def test_cli_bad_arguments_are_usage_errors(module, args, message, capsys):
+def test_cli_bad_arguments_are_usage_errors(module, args, message, capsys, monkeypatch):
     """Bad arguments end in argparse's usage error (exit 2) naming the argument, before any
     work, never in a traceback from inside a run."""
     import importlib
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     mod = importlib.import_module(f"moe_ops.{module}")
     with pytest.raises(SystemExit) as exc:
         mod.parse_args(args) if module == "bench" else mod.main(args)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_compile_check_refuses_the_interpreter(capsys, monkeypatch):
+    from moe_ops import compile_check
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(SystemExit) as exc:
+        compile_check.main(["--shapes", "olmoe", "--tokens", "1"])
+    assert exc.value.code == 2 and "unset TRITON_INTERPRET" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only message")

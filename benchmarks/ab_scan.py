@@ -29,12 +29,8 @@ def main():
     grid = la.scan_programs
     rows = []
     for cell in args.cells:
-        name, T = cell.split(":")
-        T = int(T)
-        s = bench.SHAPES[name]
-        wt = bench.make_weights(s, dev, dt, seed=0)
-        hidden, logits = bench.make_tokens(s, wt, T, dev, dt, seed=1)
-        tw, ids = bench.route(s, logits, wt.bias)
+        c = bench.cell_inputs(cell, dev, dt)
+        s, T, wt, hidden, tw, ids = c.shape, c.T, c.weights, c.hidden, c.topk_weights, c.topk_ids
         cfg = heuristic_config(T, s.E, s.K, s.H, s.I, "cuda", dt)
         res = {"one program": [], "per group": []}
         ref = None

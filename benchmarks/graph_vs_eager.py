@@ -23,12 +23,8 @@ def main():
     dev = torch.device("cuda")
     timer = bench.Timer(dev, warmup_ms=25, rep_ms=100)
     for cell in args.cells:
-        name, T = cell.split(":")
-        T = int(T)
-        s = bench.SHAPES[name]
-        wt = bench.make_weights(s, dev, torch.bfloat16, seed=0)
-        hidden, logits = bench.make_tokens(s, wt, T, dev, torch.bfloat16, seed=1)
-        tw, ids = bench.route(s, logits, wt.bias)
+        c = bench.cell_inputs(cell, dev, torch.bfloat16)
+        wt, hidden, tw, ids = c.weights, c.hidden, c.topk_weights, c.topk_ids
         fn = lambda: dispatch_triton(hidden, wt.w13, wt.w2, tw, ids)  # noqa: E731
         graph, _ = bench.capture_graph(fn)
         line = []
@@ -38,7 +34,7 @@ def main():
             for what, f in order:
                 line.append(f"{what} {timer(f) * 1e3:.0f}")
         print(f"{cell}: " + ", ".join(line), flush=True)
-        del graph, wt, hidden, logits, tw, ids
+        del graph, c, wt, hidden, tw, ids
         torch.cuda.empty_cache()
 
 

@@ -24,14 +24,8 @@ def main():
     p.add_argument("--backward", action="store_true")
     p.add_argument("--calls", type=int, default=3)
     args = p.parse_args()
-    name, T = args.cell.split(":")
-    T = int(T)
-    dev = torch.device("cuda")
-    dt = torch.bfloat16
-    s = bench.SHAPES[name]
-    wt = bench.make_weights(s, dev, dt, seed=0)
-    hidden, logits = bench.make_tokens(s, wt, T, dev, dt, seed=1)
-    tw, ids = bench.route(s, logits, wt.bias)
+    c = bench.cell_inputs(args.cell, torch.device("cuda"), torch.bfloat16)
+    wt, hidden, tw, ids = c.weights, c.hidden, c.topk_weights, c.topk_ids
     go = torch.randn_like(hidden)
     for _ in range(args.calls):
         if args.backward:

@@ -24,11 +24,8 @@ def main():
     timer = bench.Timer(dev, warmup_ms=25, rep_ms=100)
     rows = []
     for cell in args.cells:
-        name, T = cell.split(":")
-        s = bench.SHAPES[name]
-        wt = bench.make_weights(s, dev, dt, seed=0)
-        hidden, logits = bench.make_tokens(s, wt, int(T), dev, dt, seed=1)
-        tw, ids = bench.route(s, logits, wt.bias)
+        c = bench.cell_inputs(cell, dev, dt)
+        wt, hidden, tw, ids = c.weights, c.hidden, c.topk_weights, c.topk_ids
         fn = lambda: dispatch_triton(hidden, wt.w13, wt.w2, tw, ids)  # noqa: E731
         graph, _ = bench.capture_graph(fn)
         replay_us = timer(graph.replay) * 1e3
@@ -39,7 +36,7 @@ def main():
         kern = ", ".join(f"{k} {v:.1f}" for k, v in sorted(acc.items(), key=lambda kv: -kv[1]))
         rows.append((cell, replay_us, total, kern))
         print(f"{cell}: replay {replay_us:.1f} us, kernels {total:.1f} us: {kern}", flush=True)
-        del wt, graph
+        del c, wt, graph
         torch.cuda.empty_cache()
     print(f"\n{'cell':<22} {'replay us':>9} {'kernels us':>10} {'gap us':>7}  per kernel (us)")
     for cell, rep, tot, kern in rows:

@@ -35,17 +35,14 @@ def main():
     rows = []
     weights = {}
     for cell in args.cells:
-        name, T = cell.split(":")
-        T = int(T)
-        s = bench.SHAPES[name]
-        if name not in weights:
+        name = cell.split(":")[0]
+        if name not in weights:   # one shape's weights at a time (DeepSeek-V3: 22 GB)
             weights.clear()
             gc.collect()
             torch.cuda.empty_cache()
-            weights[name] = bench.make_weights(s, dev, dt, seed=0)
-        wt = weights[name]
-        hidden, logits = bench.make_tokens(s, wt, T, dev, dt, seed=1)
-        tw, ids = bench.route(s, logits, wt.bias)
+        c = bench.cell_inputs(cell, dev, dt, weights.get(name))
+        weights[name] = c.weights
+        s, T, wt, hidden, tw, ids = c.shape, c.T, c.weights, c.hidden, c.topk_weights, c.topk_ids
         n_bytes, flops = bench.floor_terms(s, T, int(torch.unique(ids[ids >= 0]).numel()),
                                            hidden.element_size())
         floor_us = max(n_bytes / 4.28e12, flops / 750e12) * 1e6   # BENCHMARK.md's nominal rates
@@ -68,7 +65,7 @@ def main():
             rows.append((cell, vname, us, floor_us / us, err, cfg))
             print(f"{cell} {vname}: {us:.1f} us ({floor_us / us:.0%} of floor {floor_us:.0f}), "
                   f"rel {err:.1e}", flush=True)
-        del hidden, logits, tw, ids, ref
+        del c, hidden, tw, ids, ref
     print(f"\n{'cell':<26} {'variant':<14} {'us':>9} {'floor':>6} {'rel':>8}  config")
     for cell, vname, us, frac, err, cfg in rows:
         c = (f"bm{cfg.block_m} n1={cfg.block_n1} k1={cfg.block_k1} n2={cfg.block_n2} "

@@ -302,6 +302,30 @@ def route(s: Shape, logits: torch.Tensor, bias: Optional[torch.Tensor]):
                                s.topk_groups, s.scale)
 
 
+@dataclasses.dataclass
+class CellInputs:
+    """One (shape, T) cell's benchmark inputs, routed (benchmarks/ scripts time these)."""
+    name: str
+    T: int
+    shape: Shape
+    weights: Weights
+    hidden: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+
+
+def cell_inputs(cell: str, device, dtype, weights: Optional[Weights] = None) -> CellInputs:
+    """'shape:T' -> that cell's inputs as the bench makes them (weights seed 0, tokens seed 1,
+    the shape's routing); `weights` reuses weights already made for the shape."""
+    name, T = cell.split(":")
+    T = int(T)
+    s = SHAPES[name]
+    wt = make_weights(s, device, dtype, seed=0) if weights is None else weights
+    hidden, logits = make_tokens(s, wt, T, device, dtype, seed=1)
+    tw, ids = route(s, logits, wt.bias)
+    return CellInputs(name, T, s, wt, hidden, tw, ids)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     num = (out.double() - ref).norm().item()
     den = ref.norm().item()

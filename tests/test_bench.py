@@ -170,6 +170,26 @@ def test_examples_reject_zero_counts(script, args, message):
     assert r.returncode == 2 and message in r.stderr, (r.returncode, r.stderr[-500:])
 
 
+def test_cell_inputs_match_the_bench_recipe(monkeypatch):
+    """bench.cell_inputs ('shape:T', used by the benchmarks/ scripts) makes what the bench's
+    own steps make: weights seed 0, tokens seed 1, the shape's routing; given weights, reuses
+    them."""
+    import dataclasses
+
+    import torch
+
+    tiny = dataclasses.replace(bench.SHAPES["qwen3_30b_a3b_zipf"], H=32, I=16)
+    monkeypatch.setitem(bench.SHAPES, "tiny", tiny)
+    c = bench.cell_inputs("tiny:5", "cpu", torch.float32)
+    wt = bench.make_weights(tiny, "cpu", torch.float32, seed=0)
+    hidden, logits = bench.make_tokens(tiny, wt, 5, "cpu", torch.float32, seed=1)
+    tw, ids = bench.route(tiny, logits, wt.bias)
+    assert (c.name, c.T, c.shape) == ("tiny", 5, tiny)
+    assert torch.equal(c.weights.w13, wt.w13) and torch.equal(c.hidden, hidden)
+    assert torch.equal(c.topk_weights, tw) and torch.equal(c.topk_ids, ids)
+    assert bench.cell_inputs("tiny:3", "cpu", torch.float32, c.weights).weights is c.weights
+
+
 def _cell(T, floor_us, **results):
     return bench.Cell("s", T, floor_us, 0, 0, 1, 1.0, None, None, True,
                       {n: bench.Result("s", T, n, **kw) for n, kw in results.items()})

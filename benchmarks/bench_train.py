@@ -39,6 +39,8 @@ if _ROOT not in sys.path:
 import moe_ops  # noqa: E402  (registers torch.ops.moe.*)
 from moe_ops import _baselines as bl  # noqa: E402
 from moe_ops import bench as bm  # noqa: E402
+from moe_ops._cli import device as cli_device  # noqa: E402
+from moe_ops._cli import token_count  # noqa: E402
 from moe_ops.reference import dispatch_backward_reference  # noqa: E402
 
 SHAPE_NAMES = ["mixtral_8x7b", "qwen3_30b_a3b", "qwen3_30b_a3b_zipf", "deepseek_v3_routed"]
@@ -431,7 +433,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", choices=list(bm.SHAPES),
                    help=f"default: {' '.join(SHAPE_NAMES)}")
-    p.add_argument("--tokens", nargs="+", type=int,
+    p.add_argument("--tokens", nargs="+", type=token_count,
                    help=f"default: {TOKENS} ({TINY_TOKENS} with --tiny)")
     p.add_argument("--impls", nargs="+", choices=IMPLS, help="default: all")
     p.add_argument("--tiny", action="store_true",
@@ -452,7 +454,9 @@ def parse_args(argv=None):
     p.add_argument("--ref-chunk-gib", type=float, default=2.0,
                    help="float32 reference run on expert groups of about this many GiB (default 2)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    opts = p.parse_args(argv)
+    opts.device = cli_device(p, opts.device)
+    return opts
 
 
 def main(argv=None) -> int:

@@ -28,6 +28,15 @@ from moe_ops.launch.dispatch import dispatch_triton
 MODULES = (dispatch_mod, align_mod, routing_mod)
 
 
+def verified(f):
+    """per_call_us with MOE_OPS_VERIFY_LAUNCH=1 (Triton's JIT asked on every fast launch)."""
+    os.environ["MOE_OPS_VERIFY_LAUNCH"] = "1"
+    try:
+        return per_call_us(f)
+    finally:
+        del os.environ["MOE_OPS_VERIFY_LAUNCH"]
+
+
 def per_call_us(f, n=200):
     for _ in range(5):
         f()
@@ -60,18 +69,18 @@ class _Stub:
 
 
 def stubbed(orig):
-    return lambda kernel, device: _Stub()
+    return lambda kernel, device, key=None: _Stub()
 
 
 def recorder(store):
     def make(orig):
-        def kernel_for(kernel, device):
-            k = orig(kernel, device)
+        def kernel_for(kernel, device, key=None):
+            k = orig(kernel, device, key)
 
             class Rec:
                 def __getitem__(self, grid):
                     def launch(*a, **kw):
-                        store.append((kernel, grid, a, kw))
+                        store.append((kernel, key, grid, a, kw))
                         return k[grid](*a, **kw)
                     return launch
             return Rec()
@@ -79,33 +88,15 @@ def recorder(store):
     return make
 
 
-def launch_pieces(kernel, grid, args, kwargs):
-    """us per call: full JIT launch; binder; binder + key; raw CompiledKernel.run."""
-    from triton.runtime import driver
-    from triton.runtime.jit import compute_cache_key
+def launch_pieces(kernel, key, grid, args, kwargs):
+    """us per call: Triton's JIT launch; its binding + cache key alone (warmup=True); the fast
+    launch (moe_ops.launch.fast) with the launcher's key."""
+    from moe_ops.launch.fast import FastLaunch
 
-    res = {"full": per_call_us(lambda: kernel[grid](*args, **kwargs))}
-    device = driver.active.get_current_device()
-    caches = kernel.device_caches[device]
-    kernel_cache, kernel_key_cache, binder = caches[0], caches[1], caches[-1]
-    kw = dict(kwargs)
-    kw.setdefault("debug", False)
-    try:
-        res["binder"] = per_call_us(lambda: binder(*args, **kw))
-        bound_args, specialization, options = binder(*args, **kw)
-        res["binder+key"] = per_call_us(
-            lambda: compute_cache_key(kernel_key_cache, *binder(*args, **kw)[1:]))
-        key = compute_cache_key(kernel_key_cache, specialization, options)
-        ck = kernel_cache[key]
-        stream = driver.active.get_current_stream(device)
-        g = tuple(grid) + (1, 1)
-        vals = tuple(bound_args.values())
-        res["raw run"] = per_call_us(lambda: ck.run(g[0], g[1], g[2], stream, ck.function,
-                                                     ck.packed_metadata, None, None, None, *vals))
-        res["stream+dev"] = per_call_us(
-            lambda: driver.active.get_current_stream(driver.active.get_current_device()))
-    except Exception as exc:  # noqa: BLE001 (a probe of Triton internals: report, go on)
-        res["error"] = repr(exc)[:200]
+    res = {"jit": per_call_us(lambda: kernel[grid](*args, **kwargs)),
+           "bind+key": per_call_us(lambda: kernel.run(*args, grid=grid, warmup=True, **kwargs))}
+    if key is not None:
+        res["fast"] = per_call_us(lambda: FastLaunch(kernel, key)[grid](*args, **kwargs))
     return res
 
 
@@ -124,6 +115,7 @@ def main():
         d_args = (c.hidden, wt.w13, wt.w2, c.topk_weights, c.topk_ids)
         rows = {
             "ops.route": per_call_us(lambda: bench.route(s, logits, wt.bias)),
+            "ops.route, verified fast launch": verified(lambda: bench.route(s, logits, wt.bias)),
             "ops.dispatch": per_call_us(lambda: torch.ops.moe.dispatch(*d_args)),
             "dispatch_triton": per_call_us(lambda: dispatch_triton(*d_args)),
         }
@@ -131,6 +123,8 @@ def main():
             rows["dispatch_triton, launches stubbed"] = per_call_us(lambda: dispatch_triton(*d_args))
         with torch.no_grad():
             rows["ops.dispatch no_grad"] = per_call_us(lambda: torch.ops.moe.dispatch(*d_args))
+            rows["ops.dispatch no_grad, verified"] = verified(
+                lambda: torch.ops.moe.dispatch(*d_args))
         fn = lambda: torch.ops.moe.dispatch(c.hidden, wt.w13, wt.w2, *bench.route(s, logits, wt.bias))  # noqa: E731
         rows["route+dispatch host"] = per_call_us(fn)
         import triton.testing
@@ -143,8 +137,8 @@ def main():
         with patched_kernel_for(recorder(store)):
             dispatch_triton(*d_args)
             bench.route(s, logits, wt.bias)
-        for kernel, grid, a, kw in store:
-            pieces = launch_pieces(kernel, grid, a, kw)
+        for kernel, key, grid, a, kw in store:
+            pieces = launch_pieces(kernel, key, grid, a, kw)
             print(f"  launch {kernel.fn.__name__:34s} " + "  ".join(
                 f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in pieces.items()))
         if args.dump and cell == args.cells[0]:

@@ -131,11 +131,17 @@ _MISSING = object()
 _launchers: dict = {}
 
 
-def kernel_for(kernel, device: torch.device):
+def kernel_for(kernel, device: torch.device, key=None):
     """The launchable form of a @triton.jit kernel for tensors on `device`: the kernel itself on
-    CUDA, its interpreted form on CPU."""
+    CUDA, its interpreted form on CPU. With a `key` (hashable; it must determine Triton's
+    specialisation of the launch: moe_ops.launch.fast), CUDA launches after the first with that
+    key skip Triton's argument binding."""
     if device.type != "cpu":
-        return kernel
+        if key is None:
+            return kernel
+        from moe_ops.launch.fast import FastLaunch
+
+        return FastLaunch(kernel, key)
     if kernel.fn not in _launchers and kernel.fn.__name__ != "_probe":
         require_interpreter()
     if kernel.fn not in _launchers:

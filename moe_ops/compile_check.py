@@ -61,7 +61,7 @@ def capture() -> Iterator[list]:
 
     launches: list = []
 
-    def kernel_for(kernel, device):
+    def kernel_for(kernel, device, key=None):
         class _Grid:
             def __getitem__(self, grid):
                 def launch(*args, **kwargs):

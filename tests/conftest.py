@@ -13,6 +13,10 @@ import moe_ops.launch.dispatch_backward  # noqa: F401,E402
 import moe_ops.launch.routing  # noqa: F401,E402
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# Every fast launch (moe_ops.launch.fast) in the tests is checked against the kernel Triton's JIT
+# would pick (CUDA only; GPU tests).
+os.environ.setdefault("MOE_OPS_VERIFY_LAUNCH", "1")
+
 # Per-dtype relative-error bounds against a float64 reference (||out - ref|| / ||ref||).
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 

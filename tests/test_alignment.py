@@ -70,8 +70,8 @@ def test_alignment_scan_several_programs(interpreter, routing, monkeypatch):
     grids = []
     kernel_for = la.kernel_for
 
-    def spy(kernel, device):
-        launcher = kernel_for(kernel, device)
+    def spy(kernel, device, key=None):
+        launcher = kernel_for(kernel, device, key)
 
         class Grid:
             def __getitem__(self, grid):

@@ -7,6 +7,7 @@ import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
 from moe_ops.kernels.alignment import count_kernel, place_kernel, scan_kernel
+from moe_ops.launch.fast import launch_key, tensor_key
 from moe_ops.reference.alignment import max_padded_rows
 
 # Count/place programs walk their span in [CHUNK, E] one-hot tiles of about TILE_ELEMS
@@ -55,19 +56,23 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
     ends = torch.empty(2, num_experts, dtype=torch.int32, device=dev)   # padded, valid
     expert_ends = ends[0]
+    # fast launch (CUDA): every argument below follows from the ids' layout, E and block_m
+    base = (tensor_key(ids), num_experts, block_m) if dev.type == "cuda" else None
     if n_programs == 1:   # decode sizes: one launch, a program per group of table blocks
         block_b = _pow2_floor(min(64, 4096 // (block_e + block_m)))
-        kernel_for(scan_kernel, dev)[(scan_programs(n_blocks, block_b),)](
+        fk = launch_key(base, sorted_slots, block_expert, num_rows, ends)
+        kernel_for(scan_kernel, dev, fk)[(scan_programs(n_blocks, block_b),)](
             ids, sorted_slots, block_expert, num_rows, ends, n_slots, n_blocks,
             num_experts, BLOCK_M=block_m, BLOCK_P=next_pow2(n_slots), BLOCK_E=block_e,
             BLOCK_B=block_b, num_warps=4)
         return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m, ends[1])
     counts = torch.empty(n_programs, block_e, dtype=torch.int32, device=dev)
-    kernel_for(count_kernel, dev)[(n_programs,)](
+    kernel_for(count_kernel, dev, launch_key(base, counts))[(n_programs,)](
         ids, counts, n_slots, span, num_experts, CHUNK=chunk, BLOCK_E=block_e)
     # each place program owns about n_blocks / n_programs blocks of the table
     block_b = min(next_pow2(cdiv(n_blocks, n_programs)), _pow2_floor(4096 // (block_e + block_m)))
-    kernel_for(place_kernel, dev)[(n_programs,)](
+    fk = launch_key(base, counts, sorted_slots, block_expert, num_rows, ends)
+    kernel_for(place_kernel, dev, fk)[(n_programs,)](
         ids, counts, sorted_slots, block_expert, num_rows, ends, n_programs, n_slots,
         span, n_blocks, num_experts, CHUNK=chunk, BLOCK_M=block_m,
         BLOCK_P=next_pow2(n_programs), BLOCK_E=block_e, BLOCK_B=block_b, num_warps=8)

@@ -11,6 +11,7 @@ from moe_ops._runtime import cdiv, kernel_for, next_pow2
 from moe_ops.kernels.expert_gemm import (combine_kernel, down_combine_one_token_kernel, down_kernel,
                                          gate_up_kernel)
 from moe_ops.launch.alignment import align_triton
+from moe_ops.launch.fast import launch_key, tensor_key
 from moe_ops.tuning.heuristics import dispatch_config
 
 
@@ -33,6 +34,10 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     if T == 0:
         return (out, torch.empty(0, 2 * I, dtype=hidden.dtype, device=dev)) if save_z else out
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, hidden.dtype)
+    # Every argument of this call's launches is a function of these (moe_ops.launch.fast).
+    key = (cfg, save_z, tensor_key(hidden), tensor_key(w13), tensor_key(w2),
+           tensor_key(topk_weights), tensor_key(topk_ids), tensor_key(out)) \
+        if dev.type == "cuda" else None
     # One token: its K slots have K distinct experts, so slot k can be row block k as it stands
     # (no alignment launch; the z of a training forward is per slot either way).
     al = DirectRows(topk_ids, cfg.block_m) if cfg.direct and T == 1 else \
@@ -42,32 +47,34 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     z = torch.empty(T * K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else None
     direct = isinstance(al, DirectRows)
     if direct and cfg.fuse_combine and K <= cfg.block_m:
-        gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl)
-        down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg)
+        gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl, key=key)
+        down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key=key)
         return (out, z) if save_z else out
     # One token, combine_last: the down kernel's last program per H tile does the combine, with
     # counters that this call's gate_up kernel zeroes (no combine launch).
     counters = None
     if direct and cfg.combine_last and K <= 32:
         counters = torch.empty(cdiv(H, cfg.block_n2), dtype=torch.int32, device=dev)
-    gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl, counters=counters)
+    gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl, counters=counters,
+                   key=key)
     # Per-slot expert outputs (routing weight applied, rounded once to the input dtype, as vLLM
     # does; float32 for float32 inputs); the combine sums them in float32 in a fixed order.
     y = torch.empty(n_slots, H, dtype=hidden.dtype, device=dev)
     rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, H, I, n_slots, K,
                      cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, cfg.group_m,
                      weights=topk_weights, tma=cfg.tma, pdl=cfg.pdl, half_tail=cfg.half_tail,
-                     combine=None if counters is None else (counters, out, topk_ids))
+                     combine=None if counters is None else (counters, out, topk_ids), key=key)
     if counters is None:
-        combine_triton(y, topk_ids, out, E, pdl=cfg.pdl)
+        combine_triton(y, topk_ids, out, E, pdl=cfg.pdl, key=key)
     return (out, z) if save_z else out
 
 
-def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False, counters=None):
+def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False, counters=None,
+                   key=None):
     """act[row] = SwiGLU(W13_e x_t) over the aligned rows (gathering token rows through the slot
     table); with `z` ([T*K, 2I]) also the pre-activation per slot. `counters` (int32): zeroed
     for the down kernel's combine_last (after the PDL wait: the buffer may be memory that the
-    kernel before was still using)."""
+    kernel before was still using). `key`: dispatch_triton's launch key (fast launch), or None."""
     H = hidden.shape[1]
     I = act.shape[1]
     n_blocks = al.max_rows // cfg.block_m
@@ -83,7 +90,9 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
     direct = _direct_args(al, w13.shape[0])
     cnt = {} if counters is None else dict(counters_ptr=counters, n_counters=counters.numel(),
                                            BLOCK_C=next_pow2(counters.numel()))
-    kernel_for(gate_up_kernel, hidden.device)[(n_blocks * cdiv(I, cfg.block_n1),)](
+    fk = launch_key(key and (key, "gate_up"), act, al.sorted_slots, al.block_expert, al.num_rows,
+                    z, counters)
+    kernel_for(gate_up_kernel, hidden.device, fk)[(n_blocks * cdiv(I, cfg.block_n1),)](
         hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, top_k,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
@@ -98,7 +107,7 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
 
 def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
                      num_warps, num_stages, group_m=8, weights=None, tma=False, pdl=False,
-                     half_tail=False, combine=None):
+                     half_tail=False, combine=None, key=None):
     """y[slot] = (weights[slot] *) a[row] @ W_e^T ([N]) for the aligned rows: `a` is contiguous in
     aligned-row order ([max_rows, K_red]); W_e[n, k] = w[e*w_strides[0] + n*w_strides[1] +
     k*w_strides[2]] (any layout); y is per slot ([T*K, N], rows of ids < 0 unwritten). The
@@ -125,7 +134,9 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         counters, out, ids = combine
         comb = dict(counters_ptr=counters, out_ptr=out, stride_oh=out.stride(1),
                     COMBINE_K=ids.shape[1], FENCE=_compiled_code(a.device))
-    kernel_for(down_kernel, a.device)[(n_blocks * cdiv(N, block_n),)](
+    fk = launch_key(key and (key, "down"), a, y, al.sorted_slots, al.block_expert, al.num_rows,
+                    comb.get("counters_ptr"))
+    kernel_for(down_kernel, a.device, fk)[(n_blocks * cdiv(N, block_n),)](
         a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, N, K_red, top_k,
         a.stride(0), w_strides[0], w_strides[1], w_strides[2],
@@ -137,27 +148,29 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     )
 
 
-def combine_triton(y, topk_ids, out, num_experts, pdl=False):
+def combine_triton(y, topk_ids, out, num_experts, pdl=False, key=None):
     """out[t] = sum over k in order of the per-slot rows y[t*K + k] of valid ids (float32 sum,
     deterministic). Small T: narrow column blocks, so that more programs share the latency."""
     T, H = out.shape
     K = topk_ids.shape[1]
     block_t = 4
     block_h = min(1024 if T > 64 else 256, next_pow2(H))
-    kernel_for(combine_kernel, out.device)[(cdiv(T, block_t), cdiv(H, block_h))](
+    fk = launch_key(key and (key, "combine"), y)
+    kernel_for(combine_kernel, out.device, fk)[(cdiv(T, block_t), cdiv(H, block_h))](
         y, topk_ids, out, T, H, num_experts,
         topk_ids.stride(0), topk_ids.stride(1), y.stride(0), out.stride(0), out.stride(1),
         TOP_K=K, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **_pdl_args(pdl, out.device),
     )
 
 
-def down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg):
+def down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key=None):
     """T == 1 with direct rows: out = sum over k of w_k * act[k*block_m] @ W2_{e_k}^T in one
     launch (the down GEMM with the combine folded in); block_n2 columns of H per program."""
     E, H, I = w2.shape
     K = topk_ids.shape[1]
     w_desc = weight_desc(w2, [1, cfg.block_n2, cfg.block_k2]) if cfg.tma else None
-    kernel_for(down_combine_one_token_kernel, act.device)[(cdiv(H, cfg.block_n2),)](
+    fk = launch_key(key and (key, "down_combine"), act)
+    kernel_for(down_combine_one_token_kernel, act.device, fk)[(cdiv(H, cfg.block_n2),)](
         act, w2, topk_weights, topk_ids, out, H, I, E,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), topk_weights.stride(1),
         topk_ids.stride(1), out.stride(1),
@@ -232,4 +245,20 @@ def weight_desc(w, block_shape, shape=None, strides=None):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(w, shape, strides, list(block_shape))
+    key = (len(shape), tuple(block_shape))
+    fields = _desc_fields.get(key)
+    if fields is None or min(shape) <= 0:
+        d = TensorDescriptor(w, shape, strides, list(block_shape))   # validates everything
+        _desc_fields[key] = {k: v for k, v in vars(d).items()
+                             if k not in ("base", "shape", "strides")}
+        return d
+    # The checks TensorDescriptor's constructor repeats on every call (~5 us of host time per
+    # descriptor, two per forward) passed above or depend only on the block shape and rank,
+    # validated the first time: copy its other fields (whatever this Triton has) instead.
+    d = object.__new__(TensorDescriptor)
+    d.__dict__.update(fields)
+    d.base, d.shape, d.strides = w, shape, strides
+    return d
+
+
+_desc_fields: dict = {}   # (rank, block shape) -> a validated descriptor's block-only fields

@@ -5,6 +5,7 @@ import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
 from moe_ops.kernels.routing import route_kernel
+from moe_ops.launch.fast import launch_key, tensor_key
 
 
 def route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, scale,
@@ -25,7 +26,11 @@ def route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups, t
     # in a graph, benchmarks/NOTES.md entry 13). Larger T: tiles of up to 64 rows.
     block_t = 1 if T <= 128 else max(1, min(64, 4096 // block_e, next_pow2(T)))
     grid = (cdiv(T, block_t),)
-    kernel_for(route_kernel, dev)[grid](
+    # fast launch (CUDA): every argument follows from these
+    key = (tensor_key(router_logits), None if bias is None else tensor_key(bias),
+           tensor_key(weights), tensor_key(ids), top_k, scoring, renormalize, num_groups,
+           topk_groups, float(scale)) if dev.type == "cuda" else None
+    kernel_for(route_kernel, dev, launch_key(key))[grid](
         router_logits, bias if bias is not None else router_logits, weights, ids,
         T, E, router_logits.stride(0), router_logits.stride(1),
         bias.stride(0) if bias is not None else 0,   # any stride: a slice, an expanded scalar

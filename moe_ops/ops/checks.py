@@ -29,12 +29,15 @@ def _dtypes_ok(dtype, device_type):
 
 
 def check_same_device(**tensors):
-    devs = {name: t.device for name, t in tensors.items() if t is not None}
-    first_name, first = next(iter(devs.items()))
-    for name, d in devs.items():
-        if d != first:
-            raise ValueError(
-                f"all tensors must be on one device: {first_name} is on {first}, {name} is on {d}")
+    first_name = first = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if first is None:
+            first_name, first = name, t.device
+        elif t.device != first:
+            raise ValueError(f"all tensors must be on one device: {first_name} is on {first}, "
+                             f"{name} is on {t.device}")
 
 
 def check_route(router_logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, scale):

@@ -6,7 +6,7 @@ import numbers
 import torch
 
 from moe_ops._runtime import use_triton
-from moe_ops.ops._registry import define
+from moe_ops.ops._registry import _lib, define
 from moe_ops.ops.checks import check_route, check_tensor_args
 from moe_ops.reference.routing import route_backward_reference, route_reference
 
@@ -46,21 +46,46 @@ def _route_fake(router_logits, top_k, scoring="softmax", renormalize=True, bias=
             router_logits.new_empty((T, top_k), dtype=torch.int32))
 
 
-def _route_setup_context(ctx, inputs, output):
-    router_logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, scale = inputs
-    ctx.save_for_backward(router_logits, output[1])
-    ctx.scoring, ctx.renormalize, ctx.scale = scoring, renormalize, scale
+class _RouteFunction(torch.autograd.Function):
+    """Autograd of moe.route: a gradient to router_logits only (the ids are selections; no
+    gradient to the selection bias, the groups or the scale). A Python Autograd kernel like
+    moe.dispatch's rather than torch.library.register_autograd, whose generic wrapper cost ~20
+    us of host time per call even without gradients (benchmarks/NOTES.md, entry 22)."""
+
+    @staticmethod
+    def forward(ctx, router_logits, top_k, scoring, renormalize, bias, num_groups, topk_groups,
+                scale, keyset):
+        with torch._C._AutoDispatchBelowAutograd():
+            weights, ids = _ROUTE_OP.redispatch(keyset, router_logits, top_k, scoring,
+                                                renormalize, bias, num_groups, topk_groups, scale)
+        ctx.save_for_backward(router_logits, ids)
+        ctx.scoring, ctx.renormalize, ctx.scale = scoring, renormalize, scale
+        ctx.mark_non_differentiable(ids)
+        return weights, ids
+
+    @staticmethod
+    def backward(ctx, grad_weights, grad_ids):
+        router_logits, topk_ids = ctx.saved_tensors
+        grad_logits = route_backward_reference(grad_weights, router_logits, topk_ids, ctx.scoring,
+                                               ctx.renormalize, None, 1, 1, ctx.scale)
+        return grad_logits, None, None, None, None, None, None, None, None
 
 
-def _route_backward(ctx, grad_weights, grad_ids):
-    router_logits, topk_ids = ctx.saved_tensors
-    grad_logits = route_backward_reference(grad_weights, router_logits, topk_ids, ctx.scoring,
-                                           ctx.renormalize, None, 1, 1, ctx.scale)
-    # No gradient to top_k, scoring, renormalize, bias (selection only), groups, scale.
-    return grad_logits, None, None, None, None, None, None, None
+_ROUTE_OP = torch.ops.moe.route.default
 
 
-torch.library.register_autograd(ROUTE, _route_backward, setup_context=_route_setup_context)
+def _route_autograd(keyset, router_logits, top_k, scoring="softmax", renormalize=True,
+                    bias=None, num_groups=1, topk_groups=1, scale=1.0):
+    below = keyset & torch._C._after_autograd_keyset
+    if torch.is_grad_enabled() and router_logits.requires_grad:
+        return _RouteFunction.apply(router_logits, top_k, scoring, renormalize, bias, num_groups,
+                                    topk_groups, scale, below)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _ROUTE_OP.redispatch(below, router_logits, top_k, scoring, renormalize, bias,
+                                    num_groups, topk_groups, scale)
+
+
+_lib.impl("route", _route_autograd, "Autograd", with_keyset=True)
 
 
 def route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",

@@ -3,6 +3,7 @@ cannot run inside CUDA-graph capture)."""
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,14 +31,30 @@ class DispatchConfig:
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
                     dtype: torch.dtype) -> DispatchConfig:
     """A tuned config for this device and shape when a table has one (moe_ops.tuning.tables),
-    else the heuristic below."""
+    else the heuristic below. Memoised: every moe.dispatch call asks, and building a config
+    (the heuristic's chain of dataclasses.replace, the table's nearest-T search) cost ~35 us of
+    host time per call (benchmarks/NOTES.md, entry 22). The key holds what the answer depends
+    on: the shape, the device's name and the tuning folder; writing a table clears it."""
+    if device_type == "cuda":
+        return _cached_config(T, E, K, H, I, device_type, dtype, _device_name(),
+                              os.environ.get("MOE_OPS_TUNING_DIR"))
+    return _cached_config(T, E, K, H, I, device_type, dtype, None, None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_config(T, E, K, H, I, device_type, dtype, device_name, tuning_dir) -> DispatchConfig:
     if device_type == "cuda":
         from moe_ops.tuning.tables import lookup
 
-        tuned = lookup(T, E, K, H, I, dtype, _device_name())
+        tuned = lookup(T, E, K, H, I, dtype, device_name, tuning_dir)
         if tuned is not None:
             return tuned
     return heuristic_config(T, E, K, H, I, device_type, dtype)
+
+
+def clear_config_cache() -> None:
+    """Forget memoised configs (after a tuned table changed on disk)."""
+    _cached_config.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)

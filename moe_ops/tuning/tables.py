@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from moe_ops.tuning.heuristics import DispatchConfig
+from moe_ops.tuning.heuristics import DispatchConfig, clear_config_cache
 
 FORMAT_VERSION = 1
 _PACKAGE_DIR = Path(__file__).resolve().parent / "configs"
@@ -113,4 +113,5 @@ def write_table(device_name: str, entries: list[dict], directory=None, triton_ve
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     _load.cache_clear()
+    clear_config_cache()
     return path

@@ -135,9 +135,9 @@ def kernel_for(kernel, device: torch.device, key=None):
     """The launchable form of a @triton.jit kernel for tensors on `device`: the kernel itself on
     CUDA, its interpreted form on CPU. With a `key` (hashable; it must determine Triton's
     specialisation of the launch: moe_ops.launch.fast), CUDA launches after the first with that
-    key skip Triton's argument binding."""
+    key skip Triton's argument binding (MOE_OPS_FAST_LAUNCH=0 turns that off)."""
     if device.type != "cpu":
-        if key is None:
+        if key is None or os.environ.get("MOE_OPS_FAST_LAUNCH", "1") in ("", "0"):
             return kernel
         from moe_ops.launch.fast import FastLaunch
 

@@ -107,3 +107,22 @@ def test_launch_key_adds_buffer_alignment():
             return self.p
     assert fast.launch_key(None, T(0)) is None
     assert fast.launch_key("k", T(512), None, T(516)) == ("k", (0, 4))
+
+
+def test_missing_argument_is_a_type_error(hooks):
+    k = _Kernel()
+    fast.FastLaunch(k, "key")[(1,)](1, 2, 3)
+    with pytest.raises(TypeError, match="missing argument 'C'"):
+        fast.FastLaunch(k, "key")[(1,)](1, 2)
+
+
+def test_kernel_for_uses_fast_launch_only_with_a_key_on_cuda(monkeypatch):
+    import torch
+
+    from moe_ops._runtime import kernel_for
+    k = _Kernel()
+    cuda = torch.device("cuda")
+    assert kernel_for(k, cuda) is k
+    assert isinstance(kernel_for(k, cuda, "key"), fast.FastLaunch)
+    monkeypatch.setenv("MOE_OPS_FAST_LAUNCH", "0")
+    assert kernel_for(k, cuda, "key") is k

@@ -26,7 +26,7 @@ def verify_enabled() -> bool:
 class _Site:
     """One @triton.jit kernel's parameter order and its compiled kernels by caller key."""
 
-    __slots__ = ("kernel", "names", "defaults", "compiled")
+    __slots__ = ("kernel", "names", "defaults", "compiled", "tails")
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -34,6 +34,21 @@ class _Site:
         self.names = [p.name for p in params]
         self.defaults = {p.name: p.default for p in params if p.default is not _EMPTY}
         self.compiled: dict = {}
+        self.tails: dict = {}   # positional count -> (name, default) of the parameters after
+
+    def values(self, args, kwargs) -> list:
+        """All parameters in order: the positional ones, then keywords or defaults."""
+        tail = self.tails.get(len(args))
+        if tail is None:
+            tail = self.tails[len(args)] = [(n, self.defaults.get(n, _EMPTY))
+                                            for n in self.names[len(args):]]
+        values = list(args)
+        for name, default in tail:
+            v = kwargs.get(name, default)
+            if v is _EMPTY:
+                raise TypeError(f"{self.kernel.fn.__name__}() missing argument {name!r}")
+            values.append(v)
+        return values
 
 
 _sites: dict = {}
@@ -76,9 +91,7 @@ class FastLaunch:
                     f"moe_ops fast launch of {site.kernel.fn.__name__}: key {self.key!r} maps to a "
                     "kernel Triton's JIT would not pick for these arguments (the launcher's key "
                     "misses something the specialisation depends on)")
-        values = list(args)
-        for name in site.names[len(args):]:
-            values.append(kwargs[name] if name in kwargs else site.defaults[name])
+        values = site.values(args, kwargs)
         stream = current_stream(device)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1

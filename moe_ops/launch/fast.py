@@ -26,7 +26,8 @@ def verify_enabled() -> bool:
 class _Site:
     """One @triton.jit kernel's parameter order and its compiled kernels by caller key."""
 
-    __slots__ = ("kernel", "names", "defaults", "compiled", "tails")
+    __slots__ = ("kernel", "names", "defaults", "compiled", "tails", "jit_launches",
+                 "fast_launches")
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -35,6 +36,7 @@ class _Site:
         self.defaults = {p.name: p.default for p in params if p.default is not _EMPTY}
         self.compiled: dict = {}
         self.tails: dict = {}   # positional count -> (name, default) of the parameters after
+        self.jit_launches = self.fast_launches = 0
 
     def values(self, args, kwargs) -> list:
         """All parameters in order: the positional ones, then keywords or defaults."""
@@ -78,6 +80,7 @@ class FastLaunch:
         key = (device, self.key)
         ck = site.compiled.get(key)
         if ck is None:
+            site.jit_launches += 1
             ck = site.kernel[grid](*args, **kwargs)
             if ck is not None and not hasattr(ck, "result"):   # (not an async compile future)
                 if len(site.compiled) >= MAX_KEYS:   # e.g. prefill at ever new token counts
@@ -91,6 +94,7 @@ class FastLaunch:
                     f"moe_ops fast launch of {site.kernel.fn.__name__}: key {self.key!r} maps to a "
                     "kernel Triton's JIT would not pick for these arguments (the launcher's key "
                     "misses something the specialisation depends on)")
+        site.fast_launches += 1
         values = site.values(args, kwargs)
         stream = current_stream(device)
         g1 = grid[1] if len(grid) > 1 else 1
@@ -137,3 +141,9 @@ def launch_key(base, *tensors):
     if base is None:
         return None
     return base, tuple(t.data_ptr() % 16 for t in tensors if t is not None)
+
+
+def stats() -> dict:
+    """{kernel name: (launches through Triton's JIT, fast launches, keys held)} so far."""
+    return {site.kernel.fn.__name__: (site.jit_launches, site.fast_launches, len(site.compiled))
+            for site in _sites.values()}

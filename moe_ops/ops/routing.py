@@ -112,6 +112,8 @@ def route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
 def _scalar(name, v, kind, sym, cast):
     """v as a Python int/float (numpy scalars pass; symbolic sizes under torch.compile stay as
     they are), or a TypeError naming the argument (a bool is not taken as a number)."""
+    if type(v) is cast:   # the common case, first (type(True) is bool, not int)
+        return v
     if isinstance(v, sym):
         return v
     if not isinstance(v, kind) or isinstance(v, bool):

@@ -89,6 +89,26 @@ def test_bad_tables_are_rejected(tmp_path):
         tables.validate_table({"version": 1, "entries": [bad]})
 
 
+def test_dispatch_config_memo_follows_table_writes(tmp_path, monkeypatch):
+    """dispatch_config is memoised; writing a table (moe_ops.tune) must not leave a stale
+    answer, nor may another tuning folder or device name reuse one."""
+    monkeypatch.setenv("MOE_OPS_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(heuristics, "_device_name", lambda: "Memo GPU")
+    shape = (64, 128, 8, 2048, 768, "cuda", torch.bfloat16)
+    assert dispatch_config(*shape) == heuristic_config(*shape)       # no table yet
+    tables.write_table("Memo GPU", [_entry({64: CFG_A})], tmp_path)
+    assert dispatch_config(*shape) == CFG_A
+    tables.write_table("Memo GPU", [_entry({64: CFG_B})], tmp_path)
+    assert dispatch_config(*shape) == CFG_B
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.setenv("MOE_OPS_TUNING_DIR", str(other))
+    assert dispatch_config(*shape) == heuristic_config(*shape)
+    monkeypatch.setenv("MOE_OPS_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(heuristics, "_device_name", lambda: "Another GPU")
+    assert dispatch_config(*shape) == heuristic_config(*shape)
+
+
 def test_dispatch_config_prefers_the_table_on_cuda(tmp_path, monkeypatch):
     tables.write_table("Fake GPU", [_entry({64: CFG_B})], tmp_path)
     monkeypatch.setenv("MOE_OPS_TUNING_DIR", str(tmp_path))

@@ -134,15 +134,11 @@ def gate_up_kernel(
     USE_TMA: tl.constexpr = False, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False, TMA_PAIR: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, n_counters=0,
-    BLOCK_C: tl.constexpr = 0, PDL_EARLY: tl.constexpr = False,
+    BLOCK_C: tl.constexpr = 0,
 ):
-    """PDL_EARLY (with USE_PDL; a grid of one wave): the successor may launch as soon as this
-    kernel's wait is over, not after each program's main loop."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
-        if PDL_EARLY:
-            gdc_launch_dependents()
     if BLOCK_C > 0:   # the down kernel's combine counters (T == 1), zeroed after the wait
         if tl.program_id(0) == 0:
             offs_c = tl.arange(0, BLOCK_C)
@@ -160,13 +156,13 @@ def gate_up_kernel(
                       n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
                       stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
                       DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
-                      DIRECT, USE_PDL and not PDL_EARLY, TMA_PAIR, BLOCK_M // 2)
+                      DIRECT, USE_PDL, TMA_PAIR, BLOCK_M // 2)
     else:
         gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                       n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
                       stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
                       DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
-                      DIRECT, USE_PDL and not PDL_EARLY, TMA_PAIR, BLOCK_M)
+                      DIRECT, USE_PDL, TMA_PAIR, BLOCK_M)
 
 
 @triton.jit
@@ -211,7 +207,7 @@ def down_kernel(
     TMA_LAYOUT: tl.constexpr = 0, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, out_ptr=None, stride_oh=0,
-    COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False, PRELOAD: tl.constexpr = False,
+    COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
@@ -220,12 +216,9 @@ def down_kernel(
     programs of an H tile stores its slot's row, then counts itself in counters[pid_n] (zeroed by
     this call's gate_up kernel); the one that counts last sums the K rows in order 0..K-1 in
     float32 into out, exactly as combine_kernel does (bitwise the same result, whichever program
-    is last).
-    PRELOAD (DIRECT, TMA_LAYOUT 1, USE_PDL): the first weight tile is requested before the PDL
-    wait (the ids come from the routing, finished before the gate+up kernel's wait returned, and
-    the weights are not written by it), so its latency overlaps the gate+up kernel's tail."""
+    is last)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
-    if USE_PDL and not PRELOAD:
+    if USE_PDL:
         gdc_wait()
     if not DIRECT:
         num_rows = tl.load(num_rows_ptr)
@@ -245,7 +238,7 @@ def down_kernel(
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                   n_experts, DIRECT, USE_PDL, BLOCK_M, PRELOAD)
+                   n_experts, DIRECT, USE_PDL, BLOCK_M)
     if COMBINE_K > 0:
         combine_last(y_ptr, ids_ptr, counters_ptr, out_ptr, pid_n, H, n_experts, stride_ik,
                      stride_ym, stride_oh, BLOCK_N, COMBINE_K, FENCE)
@@ -283,10 +276,8 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                stride_tw_k, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                w_desc, TMA_LAYOUT: tl.constexpr, ids_ptr, stride_ik, n_experts,
-               DIRECT: tl.constexpr, PDL_LATE: tl.constexpr, TILE_M: tl.constexpr,
-               PRELOAD: tl.constexpr = False):
-    """down_kernel's work on the first TILE_M rows of row block pid_m (PRELOAD: down_kernel's;
-    the caller has not waited yet)."""
+               DIRECT: tl.constexpr, PDL_LATE: tl.constexpr, TILE_M: tl.constexpr):
+    """down_kernel's work on the first TILE_M rows of row block pid_m."""
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
                                           stride_ik, n_experts, BLOCK_M, DIRECT, TILE_M)
     rows64 = rows.to(tl.int64)
@@ -299,14 +290,7 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
     acc = tl.zeros((TILE_M, BLOCK_N), tl.float32)
     n0 = pid_n * BLOCK_N
     e32 = e.to(tl.int32)
-    k_start: tl.constexpr = BLOCK_K if PRELOAD else 0
-    if PRELOAD:
-        b0 = tl.trans(tl.reshape(w_desc.load([e32, n0, 0]), (BLOCK_N, BLOCK_K)))
-        gdc_wait()
-        a0 = tl.load(a_ptrs, mask=row_valid[:, None] & (offs_k < I)[None, :], other=0.0)
-        acc = tl.dot(a0, b0, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-    for k0 in range(k_start, I, BLOCK_K):
+    for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
         if TMA_LAYOUT == 1:

@@ -3,7 +3,6 @@ fused), deterministic combine. Every buffer is sized from shapes; nothing syncs 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -14,11 +13,6 @@ from moe_ops.kernels.expert_gemm import (combine_kernel, down_combine_one_token_
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.fast import launch_key, tensor_key
 from moe_ops.tuning.heuristics import dispatch_config
-
-# Experiment seam (benchmarks/ab_seam.py): at T == 1 on sm_90, the gate+up kernel lets the down
-# kernel launch right after its wait when its grid is one wave, and the down kernel requests its
-# first weight tile before its own wait.
-DECODE_OVERLAP = os.environ.get("MOE_OPS_DECODE_OVERLAP", "0") == "1"   # (tests of the experiment)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -41,7 +35,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
         return (out, torch.empty(0, 2 * I, dtype=hidden.dtype, device=dev)) if save_z else out
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, hidden.dtype)
     # Every argument of this call's launches is a function of these (moe_ops.launch.fast).
-    key = (cfg, save_z, DECODE_OVERLAP, tensor_key(hidden), tensor_key(w13), tensor_key(w2),
+    key = (cfg, save_z, tensor_key(hidden), tensor_key(w13), tensor_key(w2),
            tensor_key(topk_weights), tensor_key(topk_ids), tensor_key(out)) \
         if dev.type == "cuda" else None
     # One token: its K slots have K distinct experts, so slot k can be row block k as it stands
@@ -96,12 +90,9 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
     direct = _direct_args(al, w13.shape[0])
     cnt = {} if counters is None else dict(counters_ptr=counters, n_counters=counters.numel(),
                                            BLOCK_C=next_pow2(counters.numel()))
-    grid = n_blocks * cdiv(I, cfg.block_n1)
-    if DECODE_OVERLAP and pdl and direct and grid <= _sm_count(hidden.device):
-        cnt["PDL_EARLY"] = True
     fk = launch_key(key and (key, "gate_up"), act, al.sorted_slots, al.block_expert, al.num_rows,
                     z, counters)
-    kernel_for(gate_up_kernel, hidden.device, fk)[(grid,)](
+    kernel_for(gate_up_kernel, hidden.device, fk)[(n_blocks * cdiv(I, cfg.block_n1),)](
         hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, top_k,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
@@ -143,8 +134,6 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         counters, out, ids = combine
         comb = dict(counters_ptr=counters, out_ptr=out, stride_oh=out.stride(1),
                     COMBINE_K=ids.shape[1], FENCE=_compiled_code(a.device))
-    if DECODE_OVERLAP and direct and layout == 1 and pdl and _pdl_args(pdl, a.device):
-        comb["PRELOAD"] = True
     fk = launch_key(key and (key, "down"), a, y, al.sorted_slots, al.block_expert, al.num_rows,
                     comb.get("counters_ptr"))
     kernel_for(down_kernel, a.device, fk)[(n_blocks * cdiv(N, block_n),)](
@@ -227,13 +216,6 @@ def _compiled_code(device: torch.device) -> bool:
 def _half_tail(enabled: bool, al) -> bool:
     """Half-height tiles for tail row blocks: aligned rows only, and blocks of >= 32 rows."""
     return bool(enabled) and not isinstance(al, DirectRows) and al.block_m >= 32
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)

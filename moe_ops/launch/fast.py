@@ -54,9 +54,6 @@ class _Site:
 
 
 _sites: dict = {}
-# Launch options the JIT takes as keyword arguments besides the kernel's parameters.
-_OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl", "maxnreg", "debug",
-            "launch_cooperative_grid")
 
 
 class FastLaunch:

@@ -31,12 +31,6 @@ def table_path(device_name: str, directory: str | os.PathLike | None = None) -> 
     return base / f"{stem}.json"
 
 
-@functools.lru_cache(maxsize=64)
-def _table_path_str(device_name: str, directory) -> str:
-    # lookup() runs on every moe.dispatch call: Path arithmetic there cost ~5 us of host time.
-    return str(table_path(device_name, directory))
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -79,7 +73,8 @@ def lookup(T: int, E: int, K: int, H: int, I: int, dtype: torch.dtype, device_na
            directory=None) -> DispatchConfig | None:
     """The tuned config of the entry matching (H, I, E, K, dtype) at the measured token count
     nearest to T (in log space), or None."""
-    table = _load(_table_path_str(device_name, directory or os.environ.get("MOE_OPS_TUNING_DIR")))
+    # (runs once per shape: heuristics.dispatch_config memoises the answer)
+    table = _load(str(table_path(device_name, directory)))
     if table is None:
         return None
     name = _dtype_name(dtype)

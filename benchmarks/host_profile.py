@@ -1,7 +1,9 @@
 """Where the eager host time of moe.route + moe.dispatch goes, per cell (one GPU; not part of the
-test suite): the public ops, dispatch_triton, dispatch_triton with its launches stubbed out
-(moe_ops' own Python), and each Triton launch split into Triton's argument binding, its cache key
-and the raw launch. Optionally writes Triton's launch-path source and a cProfile to --dump.
+test suite): the public ops, their launchers (route_triton, dispatch_triton, align_triton), the
+argument checks, dispatch_triton with its launches stubbed out (moe_ops' own Python), and each
+Triton launch: Triton's JIT, its argument binding + cache key alone, and the fast launch
+(moe_ops.launch.fast). Optionally writes Triton's launch-path source and a cProfile to --dump.
+(Replaces benchmarks/host_overhead.py, which timed the first few of these on one shape.)
 
     PYTHONPATH=. python benchmarks/host_profile.py [--cells qwen3_30b_a3b:1 ...] [--dump DIR]
 """
@@ -23,7 +25,11 @@ from moe_ops import bench
 from moe_ops.launch import alignment as align_mod
 from moe_ops.launch import dispatch as dispatch_mod
 from moe_ops.launch import routing as routing_mod
+from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import dispatch_triton
+from moe_ops.launch.routing import route_triton
+from moe_ops.ops.checks import check_dispatch
+from moe_ops.tuning.heuristics import dispatch_config
 
 MODULES = (dispatch_mod, align_mod, routing_mod)
 
@@ -116,9 +122,17 @@ def main():
         rows = {
             "ops.route": per_call_us(lambda: bench.route(s, logits, wt.bias)),
             "ops.route, verified fast launch": verified(lambda: bench.route(s, logits, wt.bias)),
+            "route_triton": per_call_us(lambda: route_triton(
+                logits, s.K, s.scoring, s.renormalize, wt.bias, s.num_groups, s.topk_groups,
+                s.scale)),
             "ops.dispatch": per_call_us(lambda: torch.ops.moe.dispatch(*d_args)),
             "dispatch_triton": per_call_us(lambda: dispatch_triton(*d_args)),
+            "check_dispatch": per_call_us(lambda: check_dispatch(*d_args, "silu")),
+            "torch.empty [T, H]": per_call_us(lambda: torch.empty_like(c.hidden)),
         }
+        cfg = dispatch_config(c.T, s.E, s.K, s.H, s.I, "cuda", dt)
+        if not (cfg.direct and c.T == 1):
+            rows["align_triton"] = per_call_us(lambda: align_triton(c.topk_ids, s.E, cfg.block_m))
         with patched_kernel_for(stubbed):
             rows["dispatch_triton, launches stubbed"] = per_call_us(lambda: dispatch_triton(*d_args))
         with torch.no_grad():

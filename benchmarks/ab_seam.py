@@ -3,7 +3,7 @@
 GPU: CUDA-graph replay of the whole dispatch under the heuristic config with the switch at each
 value, alternating over rounds (best of the rounds reported), outputs compared (bitwise, else
 their relative difference, which must stay under bf16 rounding). `config:FIELD` instead of a
-module seam sets a DispatchConfig field of the heuristic's config (e.g. `config:fuse_tail True
+module seam sets a DispatchConfig field of the heuristic's config (e.g. `config:half_tail True
 False`). --kernels adds per-kernel device times (torch.profiler) of each value's replay.
 Not part of the test suite.
 

@@ -4,7 +4,8 @@ moe_ops' dispatch (CUDA-graph replay; routing done once outside, as `python -m m
 (moe_ops.tuning.heuristics.neighbours), checks every variant's output against the heuristic's,
 and prints the floor fraction of each.
 
-    PYTHONPATH=. python benchmarks/sweep_forward.py [--cells mixtral_8x7b:512 ...]
+    PYTHONPATH=. python benchmarks/sweep_forward.py [--cells mixtral_8x7b:512 ...] [--only WORD ...]
+        [--rounds 3]
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def main():
     p.add_argument("--cells", nargs="+", default=DEFAULT_CELLS, help="shape:T")
     p.add_argument("--only", nargs="+", help="time only the variants whose name contains one of "
                    "these words (and the heuristic)")
+    p.add_argument("--rounds", type=int, default=1, help="timings per variant, interleaved "
+                   "(median reported)")
     args = p.parse_args()
     dev = torch.device("cuda")
     dt = torch.bfloat16
@@ -48,6 +51,7 @@ def main():
         floor_us = max(n_bytes / 4.28e12, flops / 750e12) * 1e6   # BENCHMARK.md's nominal rates
         base = heuristic_config(T, s.E, s.K, s.H, s.I, "cuda", dt)
         ref = dispatch_triton(hidden, wt.w13, wt.w2, tw, ids, config=base)
+        graphs = {}
         for vname, cfg in neighbours(base, dt).items():
             if args.only and vname != "heuristic" and not any(w in vname for w in args.only):
                 continue
@@ -55,17 +59,25 @@ def main():
             try:
                 graph, out = bench.capture_graph(fn)
                 graph.replay()
-                err = bench.rel_err(out, ref)
-                us = timer(graph.replay) * 1e3
+                graphs[vname] = (graph, bench.rel_err(out, ref), cfg)
             except Exception as exc:  # a config that does not compile (shared memory)
                 print(f"{cell} {vname}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-                continue
-            finally:
-                graph = out = None
+            out = None
+        # Variants interleaved over rounds (median reported): the same variant timed twice in a
+        # row and another one later differ by more than a neighbour's effect on a noisy machine.
+        times = {vname: [] for vname in graphs}
+        for _ in range(args.rounds):
+            for vname, (graph, _, _) in graphs.items():
+                times[vname].append(timer(graph.replay) * 1e3)
+        for vname, (graph, err, cfg) in graphs.items():
+            us = sorted(times[vname])[len(times[vname]) // 2]
             rows.append((cell, vname, us, floor_us / us, err, cfg))
-            print(f"{cell} {vname}: {us:.1f} us ({floor_us / us:.0%} of floor {floor_us:.0f}), "
-                  f"rel {err:.1e}", flush=True)
-        del c, hidden, tw, ids, ref
+            spread = f" (rounds {min(times[vname]):.1f}-{max(times[vname]):.1f})" \
+                if args.rounds > 1 else ""
+            print(f"{cell} {vname}: {us:.1f} us{spread} ({floor_us / us:.0%} of floor "
+                  f"{floor_us:.0f}), rel {err:.1e}", flush=True)
+        graphs = None
+        c = hidden = tw = ids = ref = None
     print(f"\n{'cell':<26} {'variant':<14} {'us':>9} {'floor':>6} {'rel':>8}  config")
     for cell, vname, us, frac, err, cfg in rows:
         c = (f"bm{cfg.block_m} n1={cfg.block_n1} k1={cfg.block_k1} n2={cfg.block_n2} "

@@ -634,64 +634,6 @@ def test_half_tail_tiles(interpreter, monkeypatch, dtype):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_tail_blocks(interpreter, monkeypatch, dtype):
-    """DispatchConfig.fuse_tail: the program of an expert's last full row block also computes
-    the expert's half-height tail block (the next one) and the tail's own program exits. Counts
-    per expert (block_m 32) cover every case: 40 rows (full + tail of 8: fused), 48 (full + tail
-    of exactly 16: fused), 72 (two full blocks + tail of 8: the second fuses), 37 (fused), 20 (one block,
-    more than half: alone), 16 (one block, exactly half, the expert's first: alone), 60 (full +
-    28-row tail, more than half: two programs), 0, and ids < 0. With the TMA pair descriptors
-    the fused path needs; output, saved z and the backward (recompute mode: gate_up again) match
-    float64 and the unfused path bitwise, with NaN-poisoned scratch."""
-    import dataclasses
-
-    from moe_ops.launch.alignment import align_triton
-    from moe_ops.launch.dispatch import dispatch_triton
-    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
-    from moe_ops.tuning.heuristics import backward_config, dispatch_config
-
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    T, H, I, E, K = 147, 24, 40, 8, 2
-    args, _ = _inputs(T, H, I, E, K, routing="uniform", seed=seed, dtype=dtype)
-    counts = {0: 40, 1: 48, 2: 72, 3: 20, 4: 16, 6: 60, 7: 37}   # expert 5 empty
-    flat = torch.cat([torch.full((n,), e) for e, n in counts.items()] + [torch.tensor([-1])])
-    assert flat.numel() == T * K
-    ids = flat[torch.randperm(T * K, generator=g)].view(T, K).to(torch.int32)
-    args = (*args[:4], ids)
-    base = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", dtype), block_m=32,
-                               tma=True, tma_pair=True, half_tail=True)
-    al = align_triton(ids, E, 32)
-    n = int(al.num_rows) // 32
-    half = (al.sorted_slots[: n * 32].view(n, 32)[:, 16] >= T * K).tolist()
-    be = al.block_expert[:n].tolist()
-    fused = [b for b in range(n - 1) if not half[b] and half[b + 1] and be[b] == be[b + 1]]
-    assert len(fused) == 4, (be, half)   # experts 0, 1, 2 and 7
-    go = torch.randn(T, H, generator=g).to(dtype)
-    outs = {}
-    for ft in (False, True):
-        cfg = dataclasses.replace(base, fuse_tail=ft)
-        _poison_empty(monkeypatch)
-        out, z = dispatch_triton(*args, config=cfg, save_z=True)
-        grads = dispatch_backward_triton(go, *args, z=None, config=cfg,
-                                         bwd_config=backward_config(cfg, "cpu", dtype))
-        monkeypatch.undo()
-        outs[ft] = (out, z, grads)
-        tol = RTOL[dtype]
-        assert rel_err(out, _dense_float64(*_double(args))) <= tol, (seed, ft)
-        assert _z_err(z, args) <= tol, (seed, ft)
-        ref = dispatch_backward_reference(go.double(), *_double(args))
-        for name, a, r in zip(NAMES, grads, ref):
-            assert rel_err(a, r) <= GRAD_TOL[dtype], (seed, ft, name)
-    assert torch.equal(outs[True][0], outs[False][0]), seed
-    valid = (ids >= 0).view(-1)
-    assert torch.equal(outs[True][1][valid], outs[False][1][valid]), seed
-    for a, b in zip(outs[True][2], outs[False][2]):
-        assert torch.equal(a, b), seed
-
-
-@needs_interpreter
 @pytest.mark.parametrize("routing", ["uniform", "negative", "mixed"])
 @pytest.mark.parametrize("K,H,block_n", [(1, 24, 16), (2, 70, 32), (8, 33, 16), (5, 16, 16)])
 def test_combine_last_one_token(interpreter, monkeypatch, routing, K, H, block_n):

@@ -43,7 +43,6 @@ class TestTableFormat(TestCase):
      "combine_last": false,
      "direct": false,
      "fuse_combine": false,
-     "fuse_tail": false,
      "group_m": 8,
      "half_tail": false,
      "num_stages": 4,

@@ -15,13 +15,7 @@ its predecessor is finishing; it waits for it (gdc_wait) before its first memory
 its own successor start launching once its main loop is done (gdc_launch_dependents).
 HALF_TAIL (BLOCK_M 128): a row block whose second half is all padding (the tail block of an
 expert: valid rows come first) runs a BLOCK_M/2-row tile, halving the tensor-core work of the
-blocks that hold an expert's last few rows.
-FUSE_TAIL (with HALF_TAIL, TMA weight tiles; the forward): the program of an expert's last full
-row block also computes the expert's half-height tail block, the next one, with the same weight
-tile per step (a second, BLOCK_M/2-row accumulator), and the tail block's own program exits.
-At ~128 rows per expert (Qwen3-30B-A3B T=2048) half the experts have such a tail, and its
-program read the expert's whole weight matrix again for ~10 rows: the prefill GEMMs are bound
-by L2 throughput (benchmarks/NOTES.md, entries 20 and 23), so the re-read cost its bytes."""
+blocks that hold an expert's last few rows."""
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -130,26 +124,6 @@ def half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def tail_taken(block_expert_ptr, pid_m, half):
-    """FUSE_TAIL: whether half-height block pid_m is computed by the previous block's program
-    (the previous block has the same expert: it is that expert's full block before its tail)."""
-    prev = tl.maximum(pid_m - 1, 0)
-    same = tl.load(block_expert_ptr + prev) == tl.load(block_expert_ptr + pid_m)
-    return half & (pid_m > 0) & same
-
-
-@triton.jit
-def takes_tail(sorted_ptr, block_expert_ptr, pid_m, n_row_blocks, n_slots, half,
-               BLOCK_M: tl.constexpr):
-    """FUSE_TAIL: whether full block pid_m's program also computes block pid_m + 1, the same
-    expert's half-height tail (blocks past the padded row count have expert -1, never equal)."""
-    nxt = tl.minimum(pid_m + 1, n_row_blocks - 1)
-    same = tl.load(block_expert_ptr + nxt) == tl.load(block_expert_ptr + pid_m)
-    return (~half) & (pid_m + 1 < n_row_blocks) & same & half_tail(sorted_ptr, nxt, n_slots,
-                                                                      BLOCK_M)
-
-
-@triton.jit
 def gate_up_kernel(
     x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     n_slots, H, I, top_k,
@@ -160,7 +134,7 @@ def gate_up_kernel(
     USE_TMA: tl.constexpr = False, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False, TMA_PAIR: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, n_counters=0,
-    BLOCK_C: tl.constexpr = 0, FUSE_TAIL: tl.constexpr = False,
+    BLOCK_C: tl.constexpr = 0,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
@@ -173,21 +147,10 @@ def gate_up_kernel(
         num_rows = tl.load(num_rows_ptr)
         if pid_m * BLOCK_M >= num_rows:
             return
-    # half: False unless HALF_TAIL (then a runtime flag: two tile heights)
+    # half: a compile-time False unless HALF_TAIL (then a runtime flag: two tile heights)
     half = False
     if HALF_TAIL and not DIRECT:
         half = half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M)
-    # (a Python bool assigned to a local becomes a runtime value: both sides of `if half:` are
-    # compiled, so the fused path, which needs the pair descriptor, sits under the constexpr)
-    if FUSE_TAIL:
-        if tail_taken(block_expert_ptr, pid_m, half):
-            return
-        if takes_tail(sorted_ptr, block_expert_ptr, pid_m, n_row_blocks, n_slots, half, BLOCK_M):
-            gate_up_fused_block(x_ptr, w_desc, act_ptr, sorted_ptr, block_expert_ptr, pid_m,
-                                pid_n, n_slots, H, I, top_k, stride_xt, stride_xh, stride_am,
-                                z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-                                SAVE_Z, USE_PDL)
-            return
     if half:
         gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                       n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
@@ -222,14 +185,6 @@ def gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pi
                                 TMA_PAIR)
     if PDL_LATE:
         gdc_launch_dependents()
-    gate_up_store(act_ptr, z_ptr, acc_g, acc_u, rows, slots, row_valid, offs_n, n_mask, I,
-                  stride_am, stride_z, SAVE_Z)
-
-
-@triton.jit
-def gate_up_store(act_ptr, z_ptr, acc_g, acc_u, rows, slots, row_valid, offs_n, n_mask, I,
-                  stride_am, stride_z, SAVE_Z: tl.constexpr):
-    """act = SwiGLU(g, u) at the aligned rows; with SAVE_Z also z = [g | u] per slot."""
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     rows64 = rows.to(tl.int64)
     m2 = row_valid[:, None] & n_mask[None, :]
@@ -239,50 +194,6 @@ def gate_up_store(act_ptr, z_ptr, acc_g, acc_u, rows, slots, row_valid, offs_n, 
         z_ptrs = z_ptr + slots.to(tl.int64)[:, None] * stride_z + offs_n[None, :]
         tl.store(z_ptrs, acc_g.to(z_ptr.dtype.element_ty), mask=m2)
         tl.store(z_ptrs + I, acc_u.to(z_ptr.dtype.element_ty), mask=m2)
-
-
-@triton.jit
-def gate_up_fused_block(x_ptr, w_desc, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
-                        n_slots, H, I, top_k, stride_xt, stride_xh, stride_am, z_ptr, stride_z,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr,
-                        PDL_LATE: tl.constexpr):
-    """gate_up_kernel's work on full block pid_m and the first BLOCK_M/2 rows of block pid_m + 1
-    (FUSE_TAIL; TMA pair descriptor as in gate_up_tile): one gate+up weight tile per step feeds
-    both products, so the expert's weights are read once for both blocks."""
-    TAIL_M: tl.constexpr = BLOCK_M // 2
-    e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, None, 0,
-                                          0, BLOCK_M, False, BLOCK_M)
-    _, rows_t, slots_t, valid_t = row_block(pid_m + 1, sorted_ptr, block_expert_ptr, n_slots,
-                                            None, 0, 0, BLOCK_M, False, TAIL_M)
-    tok = tl.where(row_valid, slots // top_k, 0).to(tl.int64)
-    tok_t = tl.where(valid_t, slots_t // top_k, 0).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-    t_ptrs = x_ptr + tok_t[:, None] * stride_xt + offs_k[None, :] * stride_xh
-    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
-    acc_t = tl.zeros((TAIL_M, 2 * BLOCK_N), tl.float32)
-    n0 = pid_n * BLOCK_N
-    e32 = e.to(tl.int32)
-    for k0 in range(0, H, BLOCK_K):
-        k_mask = offs_k < H - k0
-        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-        a_t = tl.load(t_ptrs, mask=valid_t[:, None] & k_mask[None, :], other=0.0)
-        gu = tl.trans(tl.reshape(w_desc.load([e32, 0, n0, k0]), (2 * BLOCK_N, BLOCK_K)))
-        acc = tl.dot(a, gu, acc, input_precision=DOT_PRECISION)
-        acc_t = tl.dot(a_t, gu, acc_t, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_xh
-        t_ptrs += BLOCK_K * stride_xh
-    if PDL_LATE:
-        gdc_launch_dependents()
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
-    acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-    gate_up_store(act_ptr, z_ptr, acc_g, acc_u, rows, slots, row_valid, offs_n, n_mask, I,
-                  stride_am, stride_z, SAVE_Z)
-    acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc_t, (TAIL_M, 2, BLOCK_N)), (0, 2, 1)))
-    gate_up_store(act_ptr, z_ptr, acc_g, acc_u, rows_t, slots_t, valid_t, offs_n, n_mask, I,
-                  stride_am, stride_z, SAVE_Z)
 
 
 @triton.jit
@@ -296,7 +207,7 @@ def down_kernel(
     TMA_LAYOUT: tl.constexpr = 0, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, out_ptr=None, stride_oh=0,
-    COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False, FUSE_TAIL: tl.constexpr = False,
+    COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
@@ -316,15 +227,6 @@ def down_kernel(
     half = False   # as in gate_up_kernel
     if HALF_TAIL and not DIRECT:
         half = half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M)
-    if FUSE_TAIL:   # TMA_LAYOUT 1 (the forward's w2); never with COMBINE_K (direct rows)
-        if tail_taken(block_expert_ptr, pid_m, half):
-            return
-        if takes_tail(sorted_ptr, block_expert_ptr, pid_m, n_row_blocks, n_slots, half, BLOCK_M):
-            down_fused_block(act_ptr, w_desc, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
-                             pid_m, pid_n, n_slots, H, I, top_k, stride_am, stride_tw_t,
-                             stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-                             HAS_WEIGHTS, USE_PDL)
-            return
     if half:
         down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
@@ -402,14 +304,6 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
         b_ptrs += BLOCK_K * stride_wk
     if PDL_LATE:
         gdc_launch_dependents()
-    down_store(y_ptr, weights_ptr, acc, slots, row_valid, offs_n, n_mask, top_k, stride_tw_t,
-               stride_tw_k, stride_ym, HAS_WEIGHTS)
-
-
-@triton.jit
-def down_store(y_ptr, weights_ptr, acc, slots, row_valid, offs_n, n_mask, top_k, stride_tw_t,
-               stride_tw_k, stride_ym, HAS_WEIGHTS: tl.constexpr):
-    """y[slot] = (topk_weight[slot] *) acc, per slot, in y's dtype."""
     slots64 = slots.to(tl.int64)
     if HAS_WEIGHTS:
         tw = tl.load(weights_ptr + (slots64 // top_k) * stride_tw_t + (slots64 % top_k) * stride_tw_k,
@@ -417,45 +311,6 @@ def down_store(y_ptr, weights_ptr, acc, slots, row_valid, offs_n, n_mask, top_k,
         acc = acc * tw[:, None]
     tl.store(y_ptr + slots64[:, None] * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def down_fused_block(act_ptr, w_desc, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
-                     pid_n, n_slots, H, I, top_k, stride_am, stride_tw_t, stride_tw_k, stride_ym,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                     PDL_LATE: tl.constexpr):
-    """down_kernel's work on full block pid_m and the first BLOCK_M/2 rows of block pid_m + 1
-    (FUSE_TAIL; w_desc over [E, N, K] storage): one weight tile per step feeds both products."""
-    TAIL_M: tl.constexpr = BLOCK_M // 2
-    e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, None, 0,
-                                          0, BLOCK_M, False, BLOCK_M)
-    _, rows_t, slots_t, valid_t = row_block(pid_m + 1, sorted_ptr, block_expert_ptr, n_slots,
-                                            None, 0, 0, BLOCK_M, False, TAIL_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < H
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    t_ptrs = act_ptr + rows_t.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_t = tl.zeros((TAIL_M, BLOCK_N), tl.float32)
-    n0 = pid_n * BLOCK_N
-    e32 = e.to(tl.int32)
-    for k0 in range(0, I, BLOCK_K):
-        k_mask = offs_k < I - k0
-        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-        a_t = tl.load(t_ptrs, mask=valid_t[:, None] & k_mask[None, :], other=0.0)
-        b = tl.trans(tl.reshape(w_desc.load([e32, n0, k0]), (BLOCK_N, BLOCK_K)))
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        acc_t = tl.dot(a_t, b, acc_t, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        t_ptrs += BLOCK_K
-    if PDL_LATE:
-        gdc_launch_dependents()
-    down_store(y_ptr, weights_ptr, acc, slots, row_valid, offs_n, n_mask, top_k, stride_tw_t,
-               stride_tw_k, stride_ym, HAS_WEIGHTS)
-    down_store(y_ptr, weights_ptr, acc_t, slots_t, valid_t, offs_n, n_mask, top_k, stride_tw_t,
-               stride_tw_k, stride_ym, HAS_WEIGHTS)
 
 
 @triton.jit

@@ -63,8 +63,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, H, I, n_slots, K,
                      cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, cfg.group_m,
                      weights=topk_weights, tma=cfg.tma, pdl=cfg.pdl, half_tail=cfg.half_tail,
-                     combine=None if counters is None else (counters, out, topk_ids),
-                     fuse_tail=cfg.fuse_tail, key=key)
+                     combine=None if counters is None else (counters, out, topk_ids), key=key)
     if counters is None:
         combine_triton(y, topk_ids, out, E, pdl=cfg.pdl, key=key)
     return (out, z) if save_z else out
@@ -102,14 +101,13 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
         DOT_PRECISION=_dot_precision(hidden.dtype), SAVE_Z=z is not None,
         w_desc=w_desc, USE_TMA=w_desc is not None, TMA_PAIR=pair, **direct,
         HALF_TAIL=_half_tail(cfg.half_tail, al), **cnt,
-        FUSE_TAIL=pair and cfg.fuse_tail and _half_tail(cfg.half_tail, al),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_args(pdl, hidden.device),
     )
 
 
 def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
                      num_warps, num_stages, group_m=8, weights=None, tma=False, pdl=False,
-                     half_tail=False, combine=None, fuse_tail=False, key=None):
+                     half_tail=False, combine=None, key=None):
     """y[slot] = (weights[slot] *) a[row] @ W_e^T ([N]) for the aligned rows: `a` is contiguous in
     aligned-row order ([max_rows, K_red]); W_e[n, k] = w[e*w_strides[0] + n*w_strides[1] +
     k*w_strides[2]] (any layout); y is per slot ([T*K, N], rows of ids < 0 unwritten). The
@@ -117,9 +115,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     tiles come through a tensor descriptor of `w` when its layout allows one ([E, N, K] or
     [E, K, N] storage with 16-byte aligned rows). `half_tail`: tail row blocks with at most
     block_m/2 valid rows run a half-height tile. `combine` = (counters, out, topk_ids), direct
-    rows only: the last program per N tile also sums the K rows into out ([1, N]). `fuse_tail`
-    (with half_tail, [E, N, K] weights by TMA): an expert's last full block's program also
-    computes its half-height tail block (expert_gemm's FUSE_TAIL)."""
+    rows only: the last program per N tile also sums the K rows into out ([1, N])."""
     bm = al.block_m
     n_blocks = al.max_rows // bm
     tw = weights if weights is not None else y
@@ -148,8 +144,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
         w_desc=w_desc, TMA_LAYOUT=layout, **direct, HALF_TAIL=_half_tail(half_tail, al),
-        **comb, FUSE_TAIL=fuse_tail and layout == 1 and _half_tail(half_tail, al),
-        num_warps=num_warps, num_stages=num_stages, **_pdl_args(pdl, a.device),
+        **comb, num_warps=num_warps, num_stages=num_stages, **_pdl_args(pdl, a.device),
     )
 
 

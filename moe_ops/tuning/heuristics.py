@@ -26,7 +26,6 @@ class DispatchConfig:
     tma_pair: bool = False  # with tma: gate and up weight tiles in one copy, one product
     half_tail: bool = False  # tail row blocks (<= block_m/2 valid rows) on a half-height tile
     combine_last: bool = False  # T == 1, direct rows: the down kernel's last program combines
-    fuse_tail: bool = False  # with half_tail and TMA: a full block's program also does its tail
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -201,9 +200,6 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
                                                                      half_tail=not base.half_tail)
     if base.tma:
         cands["tma unpaired" if base.tma_pair else "tma pair"] = r(base, tma_pair=not base.tma_pair)
-    if base.block_m >= 64 and base.tma:
-        cands["no fuse tail" if base.fuse_tail else "fuse tail"] = r(
-            base, fuse_tail=not base.fuse_tail, half_tail=True, tma_pair=True)
     if base.block_m == 128:
         cands["s3" if base.num_stages != 3 else "s4"] = r(
             base, num_stages=3 if base.num_stages != 3 else 4)

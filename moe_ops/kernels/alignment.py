@@ -12,12 +12,24 @@ moe_ops/reference/alignment.py. (A one-program scan between count and scatter, w
 sentinels in a BLOCK_M-step loop, took 26-59 us at T = 2048-8192: NOTES.md, entry 18.)"""
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr):
+    """USE_PDL (launched with launch_pdl=True): wait for the predecessor (the ids' producer may
+    still be running), then let the successor launch; it waits for this grid's completion
+    before it reads what this kernel writes."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
 def count_kernel(ids_ptr, counts_ptr, n_slots, span, E,
-                 CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+                 CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = False):
     pid = tl.program_id(0)
+    pdl_start(USE_PDL)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros((BLOCK_E,), tl.int32)
     start = pid.to(tl.int64) * span
@@ -34,13 +46,14 @@ def count_kernel(ids_ptr, counts_ptr, n_slots, span, E,
 @triton.jit
 def scan_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, expert_ends_ptr, n_slots,
                 n_blocks, E, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_B: tl.constexpr):
+                BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Decode sizes (every slot fits one [BLOCK_P, E] tile): the whole alignment in one launch.
     Each program derives the expert ranges from all the ids (a few dozen) and writes one group
     of BLOCK_B blocks of the block table and their padding sentinels; program 0 also scatters
     the slots and writes the ranges (one program walking every group took 7.5 us at Qwen3
     T=8: NOTES.md, entry 20)."""
     pid = tl.program_id(0)
+    pdl_start(USE_PDL)
     experts = tl.arange(0, BLOCK_E)
     offs = tl.arange(0, BLOCK_P)
     m = offs < n_slots
@@ -101,8 +114,9 @@ def block_table(sorted_ptr, block_expert_ptr, valid_ends, ends, experts, num_row
 def place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
                  expert_ends_ptr, n_programs, n_slots, span, n_blocks, E,
                  CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+                 BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr = False):
     pid = tl.program_id(0)
+    pdl_start(USE_PDL)
     experts = tl.arange(0, BLOCK_E)
     progs = tl.arange(0, BLOCK_P)
     counts = tl.load(counts_ptr + progs[:, None] * BLOCK_E + experts[None, :],

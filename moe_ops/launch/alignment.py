@@ -33,7 +33,12 @@ class Alignment:
         return self.sorted_slots.shape[0]
 
 
-def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                 pdl: bool = False) -> Alignment:
+    """pdl (sm_90+, moe.dispatch's forward): the kernels launch with programmatic dependent
+    launch, wait for their predecessor before reading the ids and let their successor (the next
+    alignment kernel, then the gate+up GEMM) launch at once: its programs are resident and waiting
+    when the table is complete, instead of being launched after it."""
     dev = topk_ids.device
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
@@ -56,26 +61,30 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
     ends = torch.empty(2, num_experts, dtype=torch.int32, device=dev)   # padded, valid
     expert_ends = ends[0]
-    # fast launch (CUDA): every argument below follows from the ids' layout, E and block_m
-    base = (tensor_key(ids), num_experts, block_m) if dev.type == "cuda" else None
+    from moe_ops.launch import dispatch   # (imports this module)
+
+    pdl_args = dispatch._pdl_args(pdl, dev)
+    # fast launch (CUDA): every argument below follows from the ids' layout, E, block_m and pdl
+    base = (tensor_key(ids), num_experts, block_m, bool(pdl_args)) if dev.type == "cuda" else None
     if n_programs == 1:   # decode sizes: one launch, a program per group of table blocks
         block_b = _pow2_floor(min(64, 4096 // (block_e + block_m)))
         fk = launch_key(base, sorted_slots, block_expert, num_rows, ends)
         kernel_for(scan_kernel, dev, fk)[(scan_programs(n_blocks, block_b),)](
             ids, sorted_slots, block_expert, num_rows, ends, n_slots, n_blocks,
             num_experts, BLOCK_M=block_m, BLOCK_P=next_pow2(n_slots), BLOCK_E=block_e,
-            BLOCK_B=block_b, num_warps=4)
+            BLOCK_B=block_b, num_warps=4, **pdl_args)
         return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m, ends[1])
     counts = torch.empty(n_programs, block_e, dtype=torch.int32, device=dev)
     kernel_for(count_kernel, dev, launch_key(base, counts))[(n_programs,)](
-        ids, counts, n_slots, span, num_experts, CHUNK=chunk, BLOCK_E=block_e)
+        ids, counts, n_slots, span, num_experts, CHUNK=chunk, BLOCK_E=block_e, **pdl_args)
     # each place program owns about n_blocks / n_programs blocks of the table
     block_b = min(next_pow2(cdiv(n_blocks, n_programs)), _pow2_floor(4096 // (block_e + block_m)))
     fk = launch_key(base, counts, sorted_slots, block_expert, num_rows, ends)
     kernel_for(place_kernel, dev, fk)[(n_programs,)](
         ids, counts, sorted_slots, block_expert, num_rows, ends, n_programs, n_slots,
         span, n_blocks, num_experts, CHUNK=chunk, BLOCK_M=block_m,
-        BLOCK_P=next_pow2(n_programs), BLOCK_E=block_e, BLOCK_B=block_b, num_warps=8)
+        BLOCK_P=next_pow2(n_programs), BLOCK_E=block_e, BLOCK_B=block_b, num_warps=8,
+        **pdl_args)
     return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m, ends[1])
 
 

@@ -41,7 +41,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     # One token: its K slots have K distinct experts, so slot k can be row block k as it stands
     # (no alignment launch; the z of a training forward is per slot either way).
     al = DirectRows(topk_ids, cfg.block_m) if cfg.direct and T == 1 else \
-        align_triton(topk_ids, E, cfg.block_m)
+        align_triton(topk_ids, E, cfg.block_m, pdl=cfg.pdl)
     n_slots = T * K
     act = torch.empty(al.max_rows, I, dtype=hidden.dtype, device=dev)
     z = torch.empty(T * K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else None

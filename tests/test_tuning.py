@@ -191,6 +191,34 @@ def test_pdl_launch_options_only_on_sm90(monkeypatch):
     launch._sm90.cache_clear()
 
 
+@pytest.mark.parametrize("T", [4, 200])   # the one-launch scan; count + place
+@pytest.mark.parametrize("pdl", [True, False])
+def test_alignment_launch_options_follow_the_forward(T, pdl):
+    """moe.dispatch's forward launches its alignment kernels with programmatic dependent launch
+    when its config has pdl (they wait for the ids' producer, then let the gate+up kernel
+    launch), and without it otherwise; the backward's own alignment never uses it. Launches
+    captured on CPU tensors with the Hopper options on (moe_ops.compile_check.capture)."""
+    import dataclasses
+
+    from moe_ops.compile_check import forward_launches
+
+    H, I, E, K = 64, 32, 16, 4
+    cfg = dataclasses.replace(heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16), pdl=pdl)
+    launches = forward_launches((H, I, E, K), T, cfg, torch.bfloat16, backward=True)
+    names = [ln.name for ln in launches]
+    align = {"scan_kernel", "count_kernel", "place_kernel"}
+    first_gemm = names.index("gate_up_kernel")
+    fwd = [ln for ln in launches[:first_gemm] if ln.name in align]
+    bwd = [ln for ln in launches[first_gemm:] if ln.name in align]
+    assert [ln.name for ln in fwd] == (["scan_kernel"] if T == 4 else
+                                       ["count_kernel", "place_kernel"]), names
+    assert len(bwd) == len(fwd), names
+    for ln in fwd:
+        assert ln.kwargs.get("USE_PDL", False) is pdl and ln.kwargs.get("launch_pdl", False) is pdl
+    for ln in bwd:
+        assert "USE_PDL" not in ln.kwargs and "launch_pdl" not in ln.kwargs
+
+
 def test_no_tma_descriptors_before_sm90(monkeypatch):
     """Before Hopper the TMA setting falls back to pointer loads (no descriptor is made)."""
     import moe_ops.launch.dispatch as launch

@@ -42,6 +42,14 @@ def variants(base):
                                            wg_stages=2),
         "wg persistent k128 128x128 s3": r(base, wg_persistent=True, wg_k=128, wg_n=128,
                                            wg_stages=3),
+        "wg ws s3": r(base, wg_ws=True, wg_n=256, wg_stages=3),
+        "wg ws 128x128 s4": r(base, wg_ws=True, wg_n=128, wg_stages=4),
+        "wg ws s3 + rows ws": r(base, wg_ws=True, wg_n=256, wg_stages=3, rows_ws=True,
+                                da_n=128),
+        "wg ws s3 + rows ws s3": r(base, wg_ws=True, wg_n=256, wg_stages=3, rows_ws=True,
+                                   da_n=128, num_stages=3),
+        "wg ws s3 + rows ws dx128": r(base, wg_ws=True, wg_n=256, wg_stages=3, rows_ws=True,
+                                      da_n=128, dx_n=128),
     }
 
 

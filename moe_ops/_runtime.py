@@ -54,6 +54,23 @@ def set_recompute(enabled: bool | None) -> bool:
     return previous
 
 
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_triton_allocator() -> None:
+    """Kernels that make tensor descriptors on the device need Triton's global-scratch
+    allocator (128 bytes per descriptor and program). If the caller has not set one (Triton's
+    default raises), set one that allocates through torch's caching allocator: stream-ordered,
+    and inside CUDA-graph capture from the graph's pool. An allocator the caller set is kept.
+    Triton keeps it in a context variable, so it is checked on every launch that needs it."""
+    import triton
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
 def use_triton(t: torch.Tensor) -> bool:
     if t.device.type == "cuda":
         return True

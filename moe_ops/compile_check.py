@@ -51,6 +51,7 @@ class Compiled:
     cp_async: int
     tma: int
     ptx: str
+    warps: int = 0   # warps per program as compiled (a warp-specialised kernel adds its groups)
 
 
 @contextlib.contextmanager
@@ -150,7 +151,7 @@ def compile_launch(launch: Launch) -> Compiled:
     ptx = k.asm["ptx"]
     return Compiled(launch.name, key, k.metadata.shared, ptx.count("wgmma.mma_async"),
                     ptx.count("mma.sync"), ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
-                    ptx.count("cp.async.bulk.tensor"), ptx)
+                    ptx.count("cp.async.bulk.tensor"), ptx, k.metadata.num_warps)
 
 
 def forward_launches(shape, T, cfg, dtype, backward=False, rows_per_expert=None) -> list[Launch]:
@@ -205,7 +206,7 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     seen, failed = set(), 0
     print(f"{'kernel':<32} {'config':<28} {'shared':>7} {'wgmma':>5} {'mma':>5} {'cp.async':>8} "
-          f"{'tma':>4}")
+          f"{'tma':>4} {'warps':>5}")
     for name in args.shapes:
         H, I, E, K = SHAPES[name]
         for T in args.tokens:
@@ -227,7 +228,8 @@ def main(argv=None) -> int:
                     seen.add(c.key)
                     over = " OVER LIMIT" if c.shared > SHARED_LIMIT else ""
                     print(f"{c.name:<32} {f'{name}:{T} {vname}'[:28]:<28} {c.shared:>7} "
-                          f"{c.wgmma:>5} {c.mma:>5} {c.cp_async:>8} {c.tma:>4}{over}", flush=True)
+                          f"{c.wgmma:>5} {c.mma:>5} {c.cp_async:>8} {c.tma:>4} {c.warps:>5}{over}",
+                          flush=True)
                     failed += bool(over)
                     if args.dump:
                         os.makedirs(args.dump, exist_ok=True)

@@ -45,9 +45,10 @@ def _compile_all(cc, launches):
                          + [("mixtral_8x7b", 8192)])
 def test_heuristic_configs_compile(compile_check, name, T):
     """Forward and backward of the heuristic's bf16 config: every kernel compiles; at 128-row
-    blocks the gate+up and down GEMMs issue wgmma and take their weight tiles by TMA, and the
-    weight gradients issue wgmma (the persistent kernel, under 1024 rows per expert: TMA loads
-    and stores; the per-tile kernel above)."""
+    blocks the gate+up and down GEMMs issue wgmma and take their weight tiles by TMA (the down
+    GEMM warp-specialised where the config says so: a producer warp group and two consumer
+    groups, 12 warps), and the weight gradients run the warp-specialised persistent kernel
+    (wgmma, TMA copies, 12 warps)."""
     H, I, E, K = SHAPES[name]
     cfg = heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16)
     launches = compile_check.forward_launches((H, I, E, K), 1 if cfg.direct else 16, cfg,
@@ -57,12 +58,14 @@ def test_heuristic_configs_compile(compile_check, name, T):
     assert "gate_up_kernel" in got
     if cfg.block_m == 128:
         assert cfg.tma_pair and cfg.half_tail
-        for kname in ("gate_up_kernel", "down_kernel"):
+        down = "rows_gemm_ws_kernel" if cfg.down_ws else "down_kernel"
+        for kname in ("gate_up_kernel", down):
             fwd = got[kname][0]
             assert fwd.wgmma > 0 and fwd.tma > 0, (kname, fwd.wgmma, fwd.tma)
-        wg = "weight_grad_persistent_kernel" if T * K / E < 1024 else "weight_grad_kernel"
-        assert wg in got and all(c.wgmma > 0 for c in got[wg]), sorted(got)
-        assert wg == "weight_grad_kernel" or all(c.tma > 0 for c in got[wg])
+        assert (got[down][0].warps == 12) == cfg.down_ws, got[down][0].warps
+        wg = got.get("weight_grad_ws_kernel")
+        assert wg and all(c.wgmma > 0 and c.tma > 0 and c.warps == 12 for c in wg), sorted(got)
+        assert "weight_grad_kernel" not in got and "weight_grad_persistent_kernel" not in got
     if T == 1:
         assert cfg.fuse_combine == ("down_combine_one_token_kernel" in got)
         assert "combine_kernel" not in got   # folded or done by the down kernel's last program

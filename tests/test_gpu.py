@@ -64,7 +64,7 @@ def test_parity_path_variants(name, dtype, T):
     H, I, E, K = SHAPES[name]
     ref = _oracle(*args)
     base = heuristic_config(T, E, K, H, I, "cuda", dtype)
-    words = ("tma", "direct", "fused", "pdl", "s3", "s4", "half", "combine")
+    words = ("tma", "direct", "fused", "pdl", "s3", "s4", "half", "combine", "ws", "per tile")
     picked = {k: v for k, v in neighbours(base, dtype).items()
               if k == "heuristic" or any(w in k for w in words)}
     assert len(picked) >= 2
@@ -305,9 +305,10 @@ def test_backward_bitwise_reproducible_and_no_host_sync():
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "empty_experts"])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_weight_grad_persistent_matches_per_tile(name, routing):
-    """The persistent weight-gradient kernel (one program per SM walking output tiles) sums the
-    same rows in the same order with the same tile shape as the per-tile kernel: the weight
-    gradients must be bitwise equal, and near the float32 reference."""
+    """The persistent weight-gradient kernels (one program per SM walking output tiles; plain and
+    warp-specialised) sum the same rows in the same order with the same tile shape as the
+    per-tile kernel: the weight gradients must be bitwise equal, and near the float32
+    reference."""
     import dataclasses
 
     from moe_ops.launch.dispatch_backward import dispatch_backward_triton
@@ -321,19 +322,93 @@ def test_weight_grad_persistent_matches_per_tile(name, routing):
     go = torch.randn(T, hidden.shape[1], device="cuda", dtype=torch.bfloat16)
     cfg = dispatch_config(T, w2.shape[0], ids.shape[1], w2.shape[1], w2.shape[2], "cuda",
                           torch.bfloat16)
-    bc = backward_config(cfg, "cuda", torch.bfloat16)
+    bc = dataclasses.replace(backward_config(cfg, "cuda", torch.bfloat16), wg_n=256)
+    variants = {"per tile": dataclasses.replace(bc, wg_persistent=False, wg_ws=False),
+                "persistent": dataclasses.replace(bc, wg_persistent=True, wg_stages=3,
+                                                  wg_ws=False),
+                "ws": dataclasses.replace(bc, wg_ws=True, wg_stages=3)}
     got = {}
-    for persistent in (False, True):
+    for vname, v in variants.items():
         _poison_allocator()
-        got[persistent] = dispatch_backward_triton(
-            go, hidden, w13, w2, tw, ids, config=cfg,
-            bwd_config=dataclasses.replace(bc, wg_persistent=persistent, wg_stages=3))
+        got[vname] = dispatch_backward_triton(go, hidden, w13, w2, tw, ids, config=cfg,
+                                              bwd_config=v)
     ref = dispatch_backward_reference(go, hidden, w13, w2, tw, ids)
     for i, label in ((1, "w13"), (2, "w2")):
-        assert torch.equal(got[True][i], got[False][i]), label
-        assert rel_err(got[True][i], ref[i]) <= BWD_RTOL[torch.bfloat16], label
+        for vname in ("persistent", "ws"):
+            assert torch.equal(got[vname][i], got["per tile"][i]), (vname, label)
+        assert rel_err(got["ws"][i], ref[i]) <= BWD_RTOL[torch.bfloat16], label
     del got, ref
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "empty_experts", "negative"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_rows_gemm_ws_matches_per_tile(name, routing):
+    """The warp-specialised persistent row GEMM (the forward's down GEMM; the backward's dA and
+    dx) against down_kernel with the same tiles: the forward's output and every gradient
+    bitwise equal, the output near float64; poisoned memory shows rows left unwritten."""
+    import dataclasses
+
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+    from moe_ops.tuning.heuristics import backward_config, heuristic_config
+
+    T = 4096
+    E = 64 if name == "deepseek_v3_routed" else None
+    args = _inputs(name, T, torch.bfloat16, routing=routing, seed=23, num_experts=E)
+    H, I = args[0].shape[1], args[2].shape[2]
+    E, K = args[2].shape[0], args[4].shape[1]
+    cfg = heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16)
+    assert cfg.block_m == 128
+    go = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    bc = dataclasses.replace(backward_config(cfg, "cuda", torch.bfloat16), da_n=128)
+    outs, grads = {}, {}
+    for ws in (False, True):
+        _poison_allocator()
+        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        _, z = dispatch_triton(*args, config=dataclasses.replace(cfg, down_ws=ws), out=out,
+                               save_z=True)
+        outs[ws] = out
+        _poison_allocator()
+        grads[ws] = dispatch_backward_triton(go, *args, z=z, config=cfg,
+                                             bwd_config=dataclasses.replace(bc, rows_ws=ws))
+    assert torch.equal(outs[True], outs[False])
+    assert rel_err(outs[True], _oracle(*args)) <= GPU_RTOL[torch.bfloat16]
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.equal(a, b)
+    del outs, grads, args
+    torch.cuda.empty_cache()
+
+
+def test_warp_specialised_kernels_repeat_bitwise():
+    """Warp-specialised kernels synchronise producer and consumer warp groups through shared
+    memory barriers: a race would show as run-to-run differences (a Triton 3.6 miscompile at
+    5 stages left whole tiles unwritten, NOTES.md entry 24). Twenty runs of each, bitwise equal,
+    on poisoned memory."""
+    import dataclasses
+
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+    from moe_ops.tuning.heuristics import backward_config, heuristic_config
+
+    T = 8192
+    args = _inputs("qwen3_30b_a3b", T, torch.bfloat16, routing="skewed", seed=29)
+    H, I, E, K = SHAPES["qwen3_30b_a3b"]
+    cfg = heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16)
+    assert cfg.down_ws
+    bc = backward_config(cfg, "cuda", torch.bfloat16, rows_per_expert=T * K / E)
+    assert bc.wg_ws
+    bc = dataclasses.replace(bc, rows_ws=True, da_n=128)
+    go = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    first = None
+    for _ in range(20):
+        _poison_allocator()
+        out, z = dispatch_triton(*args, config=cfg, save_z=True)
+        got = (out,) + tuple(dispatch_backward_triton(go, *args, z=z, config=cfg, bwd_config=bc))
+        if first is None:
+            first = got
+            assert all(torch.isfinite(t).all() for t in got)
+        else:
+            for a, b in zip(got, first):
+                assert torch.equal(a, b)
 
 
 @triton.jit

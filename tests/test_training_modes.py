@@ -776,3 +776,161 @@ def test_weight_grad_persistent_matches_per_tile(interpreter, routing):
             assert torch.equal(a, torch.zeros_like(a)), (seed, name)
         else:
             assert rel_err(a, r) <= GRAD_TOL[torch.float16], (seed, name, rel_err(a, r))
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. the warp-specialised kernels (interpreted: the same arithmetic, no warp groups)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("routing", ["uniform", "mixed", "one_expert", "skewed"])
+def test_weight_grad_ws_matches_per_tile(interpreter, routing):
+    """The warp-specialised persistent weight-gradient kernel (three programs walking every
+    output tile, an empty expert where the routing leaves one) sums the per-tile kernel's rows
+    in its order with its tile: bitwise equal, near float64 (the fallbacks: the next test)."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch_backward as db
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    T, H, I, E, K = 24, 48, 40, 5, 2
+    args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed, dtype=torch.float16)
+    go = torch.randn(T, H, generator=g).to(torch.float16)
+    cfg = dispatch_config(T, E, K, H, I, "cpu", torch.float16)
+    bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float16), wg_m=16)
+    calls = []
+    run = db._weight_grad_ws
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(db, "_weight_grad_ws",
+                   lambda *a: (calls.append(a[2].shape), run(*a))[1])
+        per_tile = db.dispatch_backward_triton(go, *args, config=cfg, bwd_config=bc)
+        assert calls == []
+        ws = db.dispatch_backward_triton(go, *args, config=cfg,
+                                         bwd_config=dataclasses.replace(bc, wg_ws=True))
+    assert calls == [(E, H, I), (E, 2 * I, H)], (seed, calls)   # dW2, then dW13
+    ref = dispatch_backward_reference(go.double(), *_double(args))
+    for name, a, b, r in zip(NAMES, ws, per_tile, ref):
+        assert torch.equal(a, b), (seed, name)
+        if r.norm() == 0:
+            assert torch.equal(a, torch.zeros_like(a)), (seed, name)
+        else:
+            assert rel_err(a, r) <= GRAD_TOL[torch.float16], (seed, name, rel_err(a, r))
+
+
+@needs_interpreter
+def test_weight_grad_ws_falls_back(interpreter, monkeypatch):
+    """The warp-specialised weight-gradient launcher declines what its kernel cannot do, and the
+    gradients are still right: output rows not a multiple of the tile's (odd H), float32, or
+    more than 4 stages (a Triton 3.6 miscompile on the H200); its kernel never runs then."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch_backward as db
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    ran = []
+    monkeypatch.setattr(db, "weight_grad_ws_kernel", _Spy(db.weight_grad_ws_kernel, ran))
+    for (H, I, dtype, stages) in ((37, 24, torch.float16, 3), (48, 40, torch.float32, 3),
+                                  (48, 40, torch.float16, 5)):
+        T, E, K = 9, 4, 2
+        args, g = _inputs(T, H, I, E, K, routing="skewed", seed=seed, dtype=dtype)
+        go = torch.randn(T, H, generator=g).to(dtype)
+        cfg = dispatch_config(T, E, K, H, I, "cpu", dtype)
+        bc = dataclasses.replace(backward_config(cfg, "cpu", dtype), wg_m=16, wg_ws=True,
+                                 wg_stages=stages)
+        got = db.dispatch_backward_triton(go, *args, config=cfg, bwd_config=bc)
+        ref = dispatch_backward_reference(go.double(), *_double(args))
+        for name, a, r in zip(NAMES, got, ref):
+            assert rel_err(a, r) <= GRAD_TOL[dtype], (seed, H, dtype, stages, name)
+    assert ran == [], ran
+
+
+class _Spy:
+    """Stands in for a kernel in a launcher's module: records launches, then launches it."""
+
+    def __init__(self, kernel, log):
+        self.kernel, self.log = kernel, log
+        self.fn = getattr(kernel, "fn", kernel)
+
+    def __getitem__(self, grid):
+        def launch(*a, **kw):
+            self.log.append(grid)
+            from moe_ops._runtime import kernel_for
+            return kernel_for(self.kernel, torch.device("cpu"))[grid](*a, **kw)
+        return launch
+
+
+@needs_interpreter
+@pytest.mark.parametrize("routing", ["uniform", "mixed", "one_expert", "skewed"])
+def test_rows_gemm_ws_matches_down_kernel(interpreter, monkeypatch, routing):
+    """The warp-specialised persistent row GEMM (128-row blocks; three programs walking the row
+    blocks below the device-side row count) computes the forward's down GEMM and the backward's
+    dA and dx GEMMs with down_kernel's tiles and order: outputs and gradients bitwise equal to
+    the per-tile kernel's, near float64, ids < 0 and empty experts included; poisoned buffers
+    show any row it reads unwritten or leaves unwritten."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch as launch
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    T, H, I, E, K = 40, 64, 48, 5, 2
+    args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed, dtype=torch.float16)
+    go = torch.randn(T, H, generator=g).to(torch.float16)
+    cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float16), block_m=128,
+                              block_n1=32, block_k1=16, block_n2=32, block_k2=16)
+    bc = backward_config(cfg, "cpu", torch.float16)
+    _poison_empty(monkeypatch)
+    calls = []
+    real = launch._rows_gemm_ws
+    monkeypatch.setattr(launch, "_rows_gemm_ws", lambda *a: (calls.append(a[5]), real(*a))[1])
+    base, z = launch.dispatch_triton(*args, config=cfg, save_z=True)
+    base_g = dispatch_backward_triton(go, *args, z=z, config=cfg, bwd_config=bc)
+    assert calls == []
+    out, z2 = launch.dispatch_triton(*args, config=dataclasses.replace(cfg, down_ws=True),
+                                     save_z=True)
+    assert calls == [H]
+    got_g = dispatch_backward_triton(go, *args, z=z2, config=cfg,
+                                     bwd_config=dataclasses.replace(bc, rows_ws=True))
+    assert calls == [H, I, H], calls   # forward down, then dA (N = I) and dx (N = H)
+    assert torch.equal(out, base), seed
+    assert not out.isnan().any(), seed
+    assert rel_err(out, _dense_float64(*_double(args))) <= 2e-3, seed
+    ref = dispatch_backward_reference(go.double(), *_double(args))
+    for name, a, b, r in zip(NAMES, got_g, base_g, ref):
+        assert torch.equal(a, b), (seed, name)
+        if r.norm() > 0:
+            assert rel_err(a, r) <= GRAD_TOL[torch.float16], (seed, name, rel_err(a, r))
+
+
+@needs_interpreter
+def test_rows_gemm_ws_declines(interpreter):
+    """The warp-specialised row GEMM's launcher declines what its kernel does not cover (and
+    the per-tile kernel runs): blocks other than 128 rows, float32, a reduction that is not a
+    multiple of the step, more than 4 stages, direct rows (T == 1)."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch as launch
+    from moe_ops.tuning.heuristics import dispatch_config
+
+    seed = fresh_seed()
+    calls = []
+    real = launch._rows_gemm_ws
+    for (T, H, I, dtype, change) in ((9, 64, 48, torch.float16, dict(block_m=16)),
+                                     (9, 64, 48, torch.float32, {}),
+                                     (9, 64, 40, torch.float16, {}),        # I % 16 = 8
+                                     (9, 64, 48, torch.float16, dict(num_stages=5)),
+                                     (1, 64, 48, torch.float16, dict(direct=True))):
+        E, K = 4, 2
+        args, _ = _inputs(T, H, I, E, K, routing="uniform", seed=seed, dtype=dtype)
+        cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", dtype), block_m=128,
+                                  block_n2=32, block_k2=16, down_ws=True)
+        cfg = dataclasses.replace(cfg, **change)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(launch, "_rows_gemm_ws", lambda *a: calls.append(real(*a)) or calls[-1])
+            out = launch.dispatch_triton(*args, config=cfg)
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        assert rel_err(out, _dense_float64(*_double(args))) <= tol, (seed, T, change)
+    assert calls == [False] * 5, calls   # asked and declined every time

@@ -42,6 +42,7 @@ class TestTableFormat(TestCase):
      "block_n2": 64,
      "combine_last": false,
      "direct": false,
+     "down_ws": false,
      "fuse_combine": false,
      "group_m": 8,
      "half_tail": false,

@@ -197,3 +197,46 @@ def weight_grad_persistent_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         tile = tl.where(last, tile + NUM_PROGRAMS, tile)
         step = tl.where(last, 0, step + 1)
+
+
+@triton.jit
+def weight_grad_ws_kernel(
+    l_ptr, r_ptr, o_ptr, expert_ends_ptr, M, N, E, n_rows, stride_lr, stride_rr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """weight_grad_kernel's sums (the same rows in the same order, the same tile shape, so the
+    same float32 sums) in a persistent, warp-specialised kernel: on Hopper Triton splits the tile
+    loop (warp_specialize=True with num_warps=4) into a producer warp group that issues the
+    tensor-memory copies and two consumer warp groups (half of the tile's rows each) that run the
+    products and the epilogue, so the next tile's copies proceed during a tile's epilogue.
+    Triton's Hopper warp specialisation needs descriptors made in the kernel (host descriptors
+    fail its data partitioning), a nested loop (flattening drops the attribute), no `else`
+    branch, and a 2-D output descriptor (a 3-D one fails): out is viewed as [E*M, N], so M %
+    BLOCK_M == 0. An expert without rows takes one step at row n_rows, past the end of L and R,
+    where the copies read zeros."""
+    pid = tl.program_id(0)
+    l_desc = tl.make_tensor_descriptor(l_ptr, shape=[n_rows, M], strides=[stride_lr, 1],
+                                       block_shape=[BLOCK_K, BLOCK_M])
+    r_desc = tl.make_tensor_descriptor(r_ptr, shape=[n_rows, N], strides=[stride_rr, 1],
+                                       block_shape=[BLOCK_K, BLOCK_N])
+    o_desc = tl.make_tensor_descriptor(o_ptr, shape=[E * M, N], strides=[N, 1],
+                                       block_shape=[BLOCK_M, BLOCK_N])
+    n_n = tl.cdiv(N, BLOCK_N)
+    per_e = (M // BLOCK_M) * n_n
+    for tile in tl.range(pid, E * per_e, NUM_PROGRAMS, warp_specialize=True):
+        e = tile // per_e
+        rem = tile - e * per_e
+        m0 = (rem // n_n) * BLOCK_M
+        n0 = (rem % n_n) * BLOCK_N
+        start = tl.load(expert_ends_ptr + e - 1, mask=e > 0, other=0)
+        valid_end = tl.load(expert_ends_ptr + E + e)
+        steps = tl.maximum(tl.cdiv(valid_end - start, BLOCK_K), 1)
+        first_row = tl.where(valid_end > start, start, n_rows)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for s in range(steps):
+            row = first_row + s * BLOCK_K
+            lt = l_desc.load([row, m0])          # [BLOCK_K, BLOCK_M]
+            r = r_desc.load([row, n0])           # [BLOCK_K, BLOCK_N]
+            acc = tl.dot(tl.trans(lt), r, acc, input_precision=DOT_PRECISION)
+        o_desc.store([e * M + m0, n0], acc.to(o_desc.dtype))

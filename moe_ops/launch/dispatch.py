@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_ops._runtime import cdiv, kernel_for, next_pow2
+from moe_ops._runtime import cdiv, ensure_triton_allocator, kernel_for, next_pow2
 from moe_ops.kernels.expert_gemm import (combine_kernel, down_combine_one_token_kernel, down_kernel,
-                                         gate_up_kernel)
+                                         gate_up_kernel, rows_gemm_ws_kernel)
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.fast import launch_key, tensor_key
 from moe_ops.tuning.heuristics import dispatch_config
@@ -63,7 +63,8 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, H, I, n_slots, K,
                      cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, cfg.group_m,
                      weights=topk_weights, tma=cfg.tma, pdl=cfg.pdl, half_tail=cfg.half_tail,
-                     combine=None if counters is None else (counters, out, topk_ids), key=key)
+                     combine=None if counters is None else (counters, out, topk_ids), key=key,
+                     ws=cfg.down_ws)
     if counters is None:
         combine_triton(y, topk_ids, out, E, pdl=cfg.pdl, key=key)
     return (out, z) if save_z else out
@@ -107,7 +108,7 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
 
 def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
                      num_warps, num_stages, group_m=8, weights=None, tma=False, pdl=False,
-                     half_tail=False, combine=None, key=None):
+                     half_tail=False, combine=None, key=None, ws=False):
     """y[slot] = (weights[slot] *) a[row] @ W_e^T ([N]) for the aligned rows: `a` is contiguous in
     aligned-row order ([max_rows, K_red]); W_e[n, k] = w[e*w_strides[0] + n*w_strides[1] +
     k*w_strides[2]] (any layout); y is per slot ([T*K, N], rows of ids < 0 unwritten). The
@@ -115,7 +116,12 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     tiles come through a tensor descriptor of `w` when its layout allows one ([E, N, K] or
     [E, K, N] storage with 16-byte aligned rows). `half_tail`: tail row blocks with at most
     block_m/2 valid rows run a half-height tile. `combine` = (counters, out, topk_ids), direct
-    rows only: the last program per N tile also sums the K rows into out ([1, N])."""
+    rows only: the last program per N tile also sums the K rows into out ([1, N]). `ws`: the
+    persistent warp-specialised kernel where it applies (_rows_gemm_ws; `pdl`, `half_tail` and
+    `num_warps` do not apply to it)."""
+    if ws and combine is None and _rows_gemm_ws(a, w, w_strides, y, al, N, K_red, n_slots, top_k,
+                                                 block_n, block_k, num_stages, group_m, weights):
+        return
     bm = al.block_m
     n_blocks = al.max_rows // bm
     tw = weights if weights is not None else y
@@ -146,6 +152,68 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         w_desc=w_desc, TMA_LAYOUT=layout, **direct, HALF_TAIL=_half_tail(half_tail, al),
         **comb, num_warps=num_warps, num_stages=num_stages, **_pdl_args(pdl, a.device),
     )
+
+
+def _rows_gemm_ws(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
+                  num_stages, group_m, weights) -> bool:
+    """rows_gemm_triton on rows_gemm_ws_kernel, if it applies: aligned rows of 128-row blocks
+    (two 64-row consumer warp groups), 16-bit operands, `a` and W in one of the kernel's two
+    storage layouts with 16-byte aligned rows, K_red a multiple of block_k, a GPU with tensor
+    memory access (sm_90+) or the interpreter. At most 4 pipeline stages: at 5 (128x128x64
+    tiles) Triton 3.6 compiles a kernel that leaves whole output tiles unwritten (measured on
+    the H200, benchmarks/NOTES.md entry 24). Returns whether it ran."""
+    E = w.shape[0]
+    if (isinstance(al, DirectRows) or al.block_m != 128 or num_stages > 4
+            or a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype
+            or K_red % block_k):
+        return False
+    if a.is_cuda and not _sm90(a.device):
+        return False
+    es = a.element_size()
+    if a.stride(1) != 1 or a.data_ptr() % 16 or a.stride(0) * es % 16 or w.data_ptr() % 16:
+        return False
+    if tuple(w_strides) == (N * K_red, K_red, 1) and w.is_contiguous():
+        layout = 1      # [E, N, K_red] storage
+    elif tuple(w_strides) == (N * K_red, 1, N) and w.is_contiguous():
+        layout = 2      # [E, K_red, N] storage
+    else:
+        return False
+    if N * es % 16 or K_red * es % 16:
+        return False
+    # Shared memory (H200 compiles, Triton 3.6): the stages' A and W tiles, ~17 KB of barriers
+    # and epilogue scratch, and for a float32 output a whole float32 tile for the epilogue's
+    # layout change (128x256 float32 tiles with 3 stages need 279 KB: over the 227 KB limit).
+    smem = num_stages * (128 + block_n) * block_k * es + 17 * 1024
+    if y.element_size() == 4:
+        smem += 128 * block_n * 4
+    if smem > _SMEM_LIMIT:
+        return False
+    n_tiles = (al.max_rows // 128) * cdiv(N, block_n)
+    programs = max(1, min(_num_sms(a.device), n_tiles))
+    tw = weights if weights is not None else y
+    if a.is_cuda:
+        ensure_triton_allocator()
+    kernel_for(rows_gemm_ws_kernel, a.device)[(programs,)](
+        a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
+        n_slots, N, K_red, top_k, a.shape[0], E,
+        a.stride(0), tw.stride(0), tw.stride(1), y.stride(0),
+        BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, NUM_PROGRAMS=programs,
+        W_LAYOUT=layout, HAS_WEIGHTS=weights is not None,
+        DOT_PRECISION=_dot_precision(a.dtype), num_warps=4, num_stages=num_stages,
+    )
+    return True
+
+
+_SMEM_LIMIT = 227 * 1024   # sm_90's shared memory per block (232448 bytes)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """Programs of a persistent kernel: one per SM on CUDA, three in the interpreter (several
+    tiles each)."""
+    if device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def combine_triton(y, topk_ids, out, num_experts, pdl=False, key=None):

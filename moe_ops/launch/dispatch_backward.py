@@ -14,10 +14,11 @@ import functools
 
 import torch
 
-from moe_ops._runtime import cdiv, kernel_for, next_pow2
+from moe_ops._runtime import cdiv, ensure_triton_allocator, kernel_for, next_pow2
 from moe_ops.kernels.expert_gemm_backward import (gather_rows_kernel, swiglu_grad_kernel,
                                                   weight_grad_kernel,
-                                                  weight_grad_persistent_kernel)
+                                                  weight_grad_persistent_kernel,
+                                                  weight_grad_ws_kernel)
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import (_dot_precision, combine_triton, gate_up_triton,
                                      rows_gemm_triton, weight_desc)
@@ -59,7 +60,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     dA = torch.empty(n_slots, I, dtype=torch.float32, device=dev)
     rows_gemm_triton(gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), dA, al, I, H,
                      n_slots, K, bc.da_n, bc.da_k, bc.da_warps, stages, tma=bc.tma,
-                     half_tail=bc.half_tail)
+                     half_tail=bc.half_tail, ws=bc.rows_ws)
     block_i = min(bc.ew_i, next_pow2(I))
     kernel_for(swiglu_grad_kernel, dev)[(cdiv(al.max_rows, bc.ew_r),)](
         dA, z, topk_weights, al.sorted_slots, al.num_rows, dz, sa, dweights,
@@ -80,7 +81,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     dxs = torch.empty(n_slots, H, dtype=dt, device=dev)
     rows_gemm_triton(dz, w13, (w13.stride(0), w13.stride(2), w13.stride(1)), dxs, al, H, 2 * I,
                      n_slots, K, bc.dx_n, bc.dx_k, bc.dx_warps, stages, tma=bc.tma,
-                     half_tail=bc.half_tail)
+                     half_tail=bc.half_tail, ws=bc.rows_ws)
     combine_triton(dxs, topk_ids, dx, E)
     return dx, dw13, dw2, dweights
 
@@ -111,6 +112,8 @@ def weight_grad_triton(left, right, out, al, bc, prec):
                          "padded ends in one buffer (align_triton's)")
     if al.block_m % bk:
         raise ValueError(f"weight-gradient step {bk} must divide block_m {al.block_m}")
+    if bc.wg_ws and bc.wg_trim and _weight_grad_ws(left, right, out, al, bc, prec, bk):
+        return
     if (bc.wg_persistent and bc.wg_trim and E <= _MAX_PERSISTENT_EXPERTS
             and _weight_grad_persistent(left, right, out, al, bc, prec, bk)):
         return
@@ -151,5 +154,39 @@ def _weight_grad_persistent(left, right, out, al, bc, prec, bk) -> bool:
         BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, BLOCK_E=next_pow2(E),
         NUM_PROGRAMS=programs, DOT_PRECISION=prec,
         num_warps=bc.wg_warps, num_stages=bc.wg_stages or bc.num_stages,
+    )
+    return True
+
+
+def _weight_grad_ws(left, right, out, al, bc, prec, bk) -> bool:
+    """weight_grad_triton on the warp-specialised persistent kernel, if it applies: a GPU with
+    tensor memory access (sm_90+) or the interpreter (the CPU tests run it there), 16-bit
+    operands with 16-byte aligned rows, M a multiple of the tile's rows (the output is stored
+    through an [E*M, N] view) and at most 4 pipeline stages (at 5, 128x128x64 tiles, Triton 3.6
+    compiles a kernel that leaves whole output tiles unwritten: benchmarks/NOTES.md, entry 24).
+    Returns whether it ran."""
+    from moe_ops.launch.dispatch import _sm90
+
+    E, M, N = out.shape
+    stages = bc.wg_stages or bc.num_stages
+    if left.dtype not in (torch.bfloat16, torch.float16) or M % bc.wg_m or stages > 4:
+        return False
+    if out.is_cuda and not _sm90(out.device):
+        return False
+    es = left.element_size()
+    for t in (left, right):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or t.stride(0) * es % 16:
+            return False
+    if not out.is_contiguous() or out.data_ptr() % 16 or N * es % 16:
+        return False
+    n_tiles = E * (M // bc.wg_m) * cdiv(N, bc.wg_n)
+    programs = min(_num_programs(out.device), n_tiles)
+    if out.is_cuda:
+        ensure_triton_allocator()
+    kernel_for(weight_grad_ws_kernel, out.device)[(programs,)](
+        left, right, out, al.expert_ends, M, N, E, left.shape[0], left.stride(0),
+        right.stride(0),
+        BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, NUM_PROGRAMS=programs,
+        DOT_PRECISION=prec, num_warps=4, num_stages=stages,
     )
     return True

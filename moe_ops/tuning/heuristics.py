@@ -26,6 +26,7 @@ class DispatchConfig:
     tma_pair: bool = False  # with tma: gate and up weight tiles in one copy, one product
     half_tail: bool = False  # tail row blocks (<= block_m/2 valid rows) on a half-height tile
     combine_last: bool = False  # T == 1, direct rows: the down kernel's last program combines
+    down_ws: bool = False  # down GEMM: persistent warp-specialised kernel (128-row blocks, sm_90)
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -123,6 +124,15 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
             # T=2048 489 -> 452, and DeepSeek-V3 T=2048 6047 -> 5749; Qwen3 T=8192 +1.7%,
             # within the spread).
             cfg = replace(cfg, tma_pair=True, block_n2=256)
+            if rows_per_expert >= 256 or E <= 16:
+                # The down GEMM as a persistent warp-specialised kernel (a producer warp group
+                # for the TMA copies, two consumer groups; no half-height tails). H200,
+                # NOTES.md entry 24, graph replay, best of 5: Qwen3 T=4096/8192 -3.7/-2.3%,
+                # zipf T=8192 -3.6%, Mixtral T=512/1024 -2.3/-2.9%, DeepSeek-V3 T=8192 -1.4%,
+                # OLMoE T=2048/8192 and Mixtral T=2048 within +-0.3%. Below 256 rows per
+                # expert the half-height tails it gives up cost more: Qwen3 T=2048 +0.6%,
+                # OLMoE T=512 +1.3%, DeepSeek-V3 T=4096 +1.0%.
+                cfg = replace(cfg, down_ws=True)
     # Programmatic dependent launch (sm_90+; ignored elsewhere): each kernel's launch overlaps
     # its predecessor's tail (entry 17: Qwen3 T=1 36.5 -> 35.5 us, T=8 142.4 -> 140.6, OLMoE
     # T=1 43.5 -> 42.3; 0.3-1 us on the other cells measured).
@@ -203,6 +213,7 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
     if base.block_m == 128:
         cands["s3" if base.num_stages != 3 else "s4"] = r(
             base, num_stages=3 if base.num_stages != 3 else 4)
+        cands["down per tile" if base.down_ws else "down ws"] = r(base, down_ws=not base.down_ws)
     out = {"heuristic": base}
     seen = {base}
     for name, cfg in cands.items():
@@ -237,6 +248,8 @@ class BackwardConfig:
     wg_trim: bool = True  # weight gradients stop at the expert's valid rows (not its padding)
     wg_persistent: bool = False  # weight gradients: one program per SM walking output tiles
     wg_stages: int = 0    # pipeline stages of the persistent weight-gradient loop (0: num_stages)
+    wg_ws: bool = False   # persistent weight gradients warp-specialised (sm_90, 16-bit, M % wg_m == 0)
+    rows_ws: bool = False  # dA and dx GEMMs: the forward's warp-specialised row GEMM (down_ws)
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
@@ -263,4 +276,10 @@ def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
     # Mixtral 2048: 19.54 -> 20.83, OLMoE 4096: 13.25 -> 13.62.
     if 0 < rows_per_expert < 1024:
         cfg = replace(cfg, wg_persistent=True, wg_stages=3)
+    # The warp-specialised persistent weight-gradient kernel (same tiles and sums, bitwise equal;
+    # it applies where the output rows are a multiple of 128, else the kernels above run).
+    # H200, NOTES.md entry 24, T=8192, weight-gradient ms (backward ms): Qwen3 1.29 -> 1.07
+    # (2.99 -> 2.80), OLMoE 1.51 -> 1.38 (3.52 -> 3.27), DeepSeek-V3 15.6 -> 13.8 (27.95 ->
+    # 26.96), Mixtral 9.53 -> 8.74 (19.38 -> 19.21); 128x128 tiles with 4 stages were slower.
+    cfg = replace(cfg, wg_ws=True, wg_n=256, wg_stages=3)
     return cfg

@@ -86,7 +86,7 @@ def main():
             tw = tw.to(dt)
             ids = ids.to(torch.int32)
             cfg = dispatch_config(T, E, K, H, I, "cuda", dt)
-            base = backward_config(cfg, "cuda", dt, rows_per_expert=T * K / E)
+            base = backward_config(cfg, "cuda", dt, rows_per_expert=T * K / E, inter_size=I)
             flops = 2 * T * K * 3 * H * I
             t_f = triton.testing.do_bench(lambda: dispatch_triton(x, w13, w2, tw, ids, config=cfg))
             t_fz = triton.testing.do_bench(

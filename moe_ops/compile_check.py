@@ -164,6 +164,7 @@ def forward_launches(shape, T, cfg, dtype, backward=False, rows_per_expert=None)
     from moe_ops.tuning.heuristics import backward_config
 
     H, I, E, K = shape
+    full_I = I
     H, I = min(H, 512), min(I, 256)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(T, H, dtype=dtype, generator=g)
@@ -175,7 +176,7 @@ def forward_launches(shape, T, cfg, dtype, backward=False, rows_per_expert=None)
         _, z = dispatch_triton(hidden, w13, w2, w, ids, config=cfg, save_z=True)
         if backward:
             rpe = T * K / E if rows_per_expert is None else rows_per_expert
-            bc = backward_config(cfg, "cuda", dtype, rows_per_expert=rpe)
+            bc = backward_config(cfg, "cuda", dtype, rows_per_expert=rpe, inter_size=full_I)
             dispatch_backward_triton(torch.randn(T, H, dtype=dtype, generator=g), hidden, w13,
                                      w2, w, ids, z=z, config=cfg, bwd_config=bc)
     return launches

@@ -934,3 +934,35 @@ def test_rows_gemm_ws_declines(interpreter):
         tol = 1e-5 if dtype == torch.float32 else 2e-3
         assert rel_err(out, _dense_float64(*_double(args))) <= tol, (seed, T, change)
     assert calls == [False] * 5, calls   # asked and declined every time
+
+
+@needs_interpreter
+def test_rows_gemm_ws_declines_over_shared_memory(interpreter):
+    """The backward's dA GEMM (float32 output) on 256-wide warp-specialised tiles would need
+    ~279 KB of shared memory on sm_90 (its epilogue stages a whole float32 tile): the launcher
+    declines it from its estimate, and the dx GEMM (16-bit output) still runs warp-specialised;
+    the gradients match the per-tile kernels' bitwise."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch as launch
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    T, H, I, E, K = 24, 64, 64, 4, 2
+    args, g = _inputs(T, H, I, E, K, routing="skewed", seed=seed, dtype=torch.float16)
+    go = torch.randn(T, H, generator=g).to(torch.float16)
+    cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float16), block_m=128,
+                              block_n1=32, block_k1=16)
+    bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float16), da_n=256, da_k=64,
+                             dx_n=32, dx_k=16, num_stages=3)
+    calls = []
+    real = launch._rows_gemm_ws
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "_rows_gemm_ws", lambda *a: calls.append(real(*a)) or calls[-1])
+        got = dispatch_backward_triton(go, *args, config=cfg,
+                                       bwd_config=dataclasses.replace(bc, rows_ws=True))
+    assert calls == [False, True], calls   # dA declined, dx warp-specialised
+    base = dispatch_backward_triton(go, *args, config=cfg, bwd_config=bc)
+    for name, a, b in zip(NAMES, got, base):
+        assert torch.equal(a, b), (seed, name)

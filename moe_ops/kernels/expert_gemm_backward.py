@@ -213,7 +213,8 @@ def weight_grad_ws_kernel(
     Triton's Hopper warp specialisation needs descriptors made in the kernel (host descriptors
     fail its data partitioning), a nested loop (flattening drops the attribute), no `else`
     branch, and a 2-D output descriptor (a 3-D one fails): out is viewed as [E*M, N], so M %
-    BLOCK_M == 0. An expert without rows takes one step at row n_rows, past the end of L and R,
+    BLOCK_M == 0. (Storing the tile as two column halves, tl.split in the epilogue, fails
+    Triton 3.6's warp-specialisation pass.) An expert without rows takes one step at row n_rows, past the end of L and R,
     where the copies read zeros."""
     pid = tl.program_id(0)
     l_desc = tl.make_tensor_descriptor(l_ptr, shape=[n_rows, M], strides=[stride_lr, 1],

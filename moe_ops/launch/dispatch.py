@@ -6,6 +6,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from moe_ops._runtime import cdiv, ensure_triton_allocator, kernel_for, next_pow2
 from moe_ops.kernels.expert_gemm import (combine_kernel, down_combine_one_token_kernel, down_kernel,
@@ -180,31 +181,37 @@ def _rows_gemm_ws(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, blo
         return False
     if N * es % 16 or K_red * es % 16:
         return False
-    # Shared memory (H200 compiles, Triton 3.6): the stages' A and W tiles, ~17 KB of barriers
-    # and epilogue scratch, and for a float32 output a whole float32 tile for the epilogue's
-    # layout change (128x256 float32 tiles with 3 stages need 279 KB: over the 227 KB limit).
-    smem = num_stages * (128 + block_n) * block_k * es + 17 * 1024
-    if y.element_size() == 4:
-        smem += 128 * block_n * 4
-    if smem > _SMEM_LIMIT:
+    # Shared memory as compiled for sm_90: the stages' A and W tiles, the epilogue's staging
+    # (128 x block_n x 4 bytes for a float32 output, x 1 byte for a 16-bit one) and ~2 KB of
+    # barriers (e.g. 229928 bytes for 256-wide bf16 tiles with 4 stages; 278528 for 256-wide
+    # float32 ones with 3: over the limit). A config the compiler still rejects falls back too.
+    smem = (num_stages * (128 + block_n) * block_k * es
+            + 128 * block_n * (4 if y.element_size() == 4 else 1) + 2048)
+    key = (block_n, block_k, num_stages, a.dtype, y.dtype, weights is not None)
+    if smem > _SMEM_LIMIT or key in _WS_REJECTED:
         return False
     n_tiles = (al.max_rows // 128) * cdiv(N, block_n)
     programs = max(1, min(_num_sms(a.device), n_tiles))
     tw = weights if weights is not None else y
     if a.is_cuda:
         ensure_triton_allocator()
-    kernel_for(rows_gemm_ws_kernel, a.device)[(programs,)](
-        a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
-        n_slots, N, K_red, top_k, a.shape[0], E,
-        a.stride(0), tw.stride(0), tw.stride(1), y.stride(0),
-        BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, NUM_PROGRAMS=programs,
-        W_LAYOUT=layout, HAS_WEIGHTS=weights is not None,
-        DOT_PRECISION=_dot_precision(a.dtype), num_warps=4, num_stages=num_stages,
-    )
+    try:
+        kernel_for(rows_gemm_ws_kernel, a.device)[(programs,)](
+            a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
+            n_slots, N, K_red, top_k, a.shape[0], E,
+            a.stride(0), tw.stride(0), tw.stride(1), y.stride(0),
+            BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+            NUM_PROGRAMS=programs, W_LAYOUT=layout, HAS_WEIGHTS=weights is not None,
+            DOT_PRECISION=_dot_precision(a.dtype), num_warps=4, num_stages=num_stages,
+        )
+    except OutOfResources:   # raised while compiling, before anything is launched
+        _WS_REJECTED.add(key)
+        return False
     return True
 
 
-_SMEM_LIMIT = 227 * 1024   # sm_90's shared memory per block (232448 bytes)
+_SMEM_LIMIT = 232448   # bytes of shared memory a program may use on sm_90
+_WS_REJECTED: set = set()   # warp-specialised row GEMM configs the compiler rejected
 
 
 @functools.lru_cache(maxsize=None)

@@ -40,7 +40,8 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     if T == 0:
         return dx, dw13.zero_(), dw2.zero_(), dweights
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, dt)
-    bc = bwd_config or backward_config(cfg, dev.type, dt, rows_per_expert=T * K / E)
+    bc = bwd_config or backward_config(cfg, dev.type, dt, rows_per_expert=T * K / E,
+                                        inter_size=I)
     al = align_triton(topk_ids, E, cfg.block_m)
     if z is not None and tuple(z.shape) != (T * K, 2 * I):
         raise ValueError(f"saved z has shape {tuple(z.shape)}, expected {(T * K, 2 * I)}")

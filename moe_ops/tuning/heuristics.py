@@ -253,8 +253,9 @@ class BackwardConfig:
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
-                    rows_per_expert: float = 0.0) -> BackwardConfig:
-    """rows_per_expert: the mean aligned rows per expert, T*K/E (0: unknown, as for large T)."""
+                    rows_per_expert: float = 0.0, inter_size: int = 0) -> BackwardConfig:
+    """rows_per_expert: the mean aligned rows per expert, T*K/E (0: unknown, as for large T);
+    inter_size: the experts' I (0: unknown)."""
     if device_type != "cuda":
         return BackwardConfig(32, 32, 16, 1, 32, 32, 1, 1, da_n=32, da_k=32, da_warps=1,
                               ew_r=16, ew_i=32)
@@ -282,4 +283,10 @@ def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
     # (2.99 -> 2.80), OLMoE 1.51 -> 1.38 (3.52 -> 3.27), DeepSeek-V3 15.6 -> 13.8 (27.95 ->
     # 26.96), Mixtral 9.53 -> 8.74 (19.38 -> 19.21); 128x128 tiles with 4 stages were slower.
     cfg = replace(cfg, wg_ws=True, wg_n=256, wg_stages=3)
+    if fwd.block_m == 128 and rows_per_expert >= 256 and 0 < inter_size <= 1024:
+        # dA and dx on the warp-specialised row GEMM (dA's float32 tile 128 wide: a 256-wide
+        # one needs 279 KB of shared memory). H200, NOTES.md entry 24, T=8192 backward ms:
+        # Qwen3 3.01 -> 2.89 and 2.99 -> 2.88 (two runs), OLMoE 3.40 -> 3.37; on the wide
+        # shapes it does not pay: Mixtral 19.41 -> 19.36, DeepSeek-V3 27.33 -> 27.47.
+        cfg = replace(cfg, rows_ws=True, da_n=128)
     return cfg

@@ -862,8 +862,9 @@ class _Spy:
 
 
 @needs_interpreter
+@pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("routing", ["uniform", "mixed", "one_expert", "skewed"])
-def test_rows_gemm_ws_matches_down_kernel(interpreter, monkeypatch, routing):
+def test_rows_gemm_ws_matches_down_kernel(interpreter, monkeypatch, routing, block_m):
     """The warp-specialised persistent row GEMM (128-row blocks; three programs walking the row
     blocks below the device-side row count) computes the forward's down GEMM and the backward's
     dA and dx GEMMs with down_kernel's tiles and order: outputs and gradients bitwise equal to
@@ -879,8 +880,8 @@ def test_rows_gemm_ws_matches_down_kernel(interpreter, monkeypatch, routing):
     T, H, I, E, K = 40, 64, 48, 5, 2
     args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed, dtype=torch.float16)
     go = torch.randn(T, H, generator=g).to(torch.float16)
-    cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float16), block_m=128,
-                              block_n1=32, block_k1=16, block_n2=32, block_k2=16)
+    cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float16),
+                              block_m=block_m, block_n1=32, block_k1=16, block_n2=32, block_k2=16)
     bc = backward_config(cfg, "cpu", torch.float16)
     _poison_empty(monkeypatch)
     calls = []
@@ -908,7 +909,7 @@ def test_rows_gemm_ws_matches_down_kernel(interpreter, monkeypatch, routing):
 @needs_interpreter
 def test_rows_gemm_ws_declines(interpreter):
     """The warp-specialised row GEMM's launcher declines what its kernel does not cover (and
-    the per-tile kernel runs): blocks other than 128 rows, float32, a reduction that is not a
+    the per-tile kernel runs): blocks of fewer than 64 rows, float32, a reduction that is not a
     multiple of the step, more than 4 stages, direct rows (T == 1)."""
     import dataclasses
 
@@ -918,7 +919,7 @@ def test_rows_gemm_ws_declines(interpreter):
     seed = fresh_seed()
     calls = []
     real = launch._rows_gemm_ws
-    for (T, H, I, dtype, change) in ((9, 64, 48, torch.float16, dict(block_m=16)),
+    for (T, H, I, dtype, change) in ((9, 64, 48, torch.float16, dict(block_m=32)),
                                      (9, 64, 48, torch.float32, {}),
                                      (9, 64, 40, torch.float16, {}),        # I % 16 = 8
                                      (9, 64, 48, torch.float16, dict(num_stages=5)),
@@ -966,3 +967,63 @@ def test_rows_gemm_ws_declines_over_shared_memory(interpreter):
     base = dispatch_backward_triton(go, *args, config=cfg, bwd_config=bc)
     for name, a, b in zip(NAMES, got, base):
         assert torch.equal(a, b), (seed, name)
+
+
+@needs_interpreter
+def test_ws_kernels_fall_back_when_they_do_not_compile(interpreter, monkeypatch):
+    """A warp-specialised kernel that this Triton fails to compile (its warp-specialisation
+    pass raising, as Triton 3.6's does on some loops) makes its launcher warn once, remember
+    the config and run the per-tile kernels: right outputs and gradients. Any other error
+    propagates."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch as launch
+    import moe_ops.launch.dispatch_backward as db
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    T, H, I, E, K = 24, 64, 48, 4, 2
+    args, g = _inputs(T, H, I, E, K, routing="skewed", seed=seed, dtype=torch.float16)
+    go = torch.randn(T, H, generator=g).to(torch.float16)
+    cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float16), block_m=128,
+                              block_n1=32, block_k1=16, block_n2=32, block_k2=16)
+    bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float16), wg_m=16)
+    ref_out = launch.dispatch_triton(*args, config=cfg)
+    ref_g = db.dispatch_backward_triton(go, *args, config=cfg, bwd_config=bc)
+    real_kernel_for = launch.kernel_for
+    tried = []
+    error = [RuntimeError("PassManager::run failed")]
+
+    def kernel_for(kernel, device, key=None):
+        if getattr(kernel, "fn", kernel).__name__ in ("rows_gemm_ws_kernel",
+                                                      "weight_grad_ws_kernel"):
+            class _Failing:
+                def __getitem__(self, grid):
+                    def launch_(*a, **kw):
+                        tried.append(kernel)
+                        raise error[0]
+                    return launch_
+            return _Failing()
+        return real_kernel_for(kernel, device, key)
+
+    monkeypatch.setattr(launch, "kernel_for", kernel_for)
+    monkeypatch.setattr(db, "kernel_for", kernel_for)
+    monkeypatch.setattr(launch, "_WS_REJECTED", set())
+    monkeypatch.setattr(db, "_WS_REJECTED", set())
+    ws_cfg = dataclasses.replace(cfg, down_ws=True)
+    ws_bc = dataclasses.replace(bc, wg_ws=True, rows_ws=True)
+    with pytest.warns(RuntimeWarning, match="did not compile"):
+        out = launch.dispatch_triton(*args, config=ws_cfg)
+        got = db.dispatch_backward_triton(go, *args, config=cfg, bwd_config=ws_bc)
+    assert torch.equal(out, ref_out), seed
+    for name, a, b in zip(NAMES, got, ref_g):
+        assert torch.equal(a, b), (seed, name)
+    n = len(tried)
+    assert n >= 3, n   # forward down, dA and dx (other keys), the weight gradients
+    launch.dispatch_triton(*args, config=ws_cfg)   # remembered: not tried again
+    db.dispatch_backward_triton(go, *args, config=cfg, bwd_config=ws_bc)
+    assert len(tried) == n
+    error[0] = ValueError("not a compile failure")
+    monkeypatch.setattr(launch, "_WS_REJECTED", set())
+    with pytest.raises(ValueError, match="not a compile failure"):
+        launch.dispatch_triton(*args, config=ws_cfg)

@@ -197,7 +197,7 @@ def _rows_gemm_ws(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, blo
     if smem > _SMEM_LIMIT or key in _WS_REJECTED:
         return False
     n_tiles = (al.max_rows // bm) * cdiv(N, block_n)
-    programs = max(1, min(_num_sms(a.device), n_tiles))
+    programs = max(1, min(num_programs(a.device), n_tiles))
     tw = weights if weights is not None else y
     if a.is_cuda:
         ensure_triton_allocator()
@@ -238,7 +238,7 @@ _WS_REJECTED: set = set()   # warp-specialised row GEMM configs the compiler rej
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_programs(device: torch.device) -> int:
     """Programs of a persistent kernel: one per SM on CUDA, three in the interpreter (several
     tiles each)."""
     if device.type != "cuda":

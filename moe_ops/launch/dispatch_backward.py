@@ -10,8 +10,6 @@ Scratch during backward, per aligned row: hidden and grad_out gathered into row 
 dtype."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from moe_ops._runtime import cdiv, ensure_triton_allocator, kernel_for, next_pow2
@@ -21,7 +19,8 @@ from moe_ops.kernels.expert_gemm_backward import (gather_rows_kernel, swiglu_gra
                                                   weight_grad_ws_kernel)
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import (_dot_precision, combine_triton, gate_up_triton,
-                                     rows_gemm_triton, weight_desc, ws_compile_failure)
+                                     num_programs, rows_gemm_triton, weight_desc,
+                                     ws_compile_failure)
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
 
@@ -130,13 +129,6 @@ def weight_grad_triton(left, right, out, al, bc, prec):
 _MAX_PERSISTENT_EXPERTS = 1024   # the persistent kernel keeps one expert per lane of a vector
 
 
-@functools.lru_cache(maxsize=None)
-def _num_programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 3   # the interpreter: a few programs, each walking several tiles
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _weight_grad_persistent(left, right, out, al, bc, prec, bk) -> bool:
     """weight_grad_triton on the persistent kernel, if it applies: 16-bit operands whose tensor
     descriptors are legal here (weight_desc: 16-byte aligned rows, sm_90+ or the interpreter).
@@ -149,7 +141,7 @@ def _weight_grad_persistent(left, right, out, al, bc, prec, bk) -> bool:
     if any(d is None for d in descs):
         return False
     n_tiles = E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n)
-    programs = min(_num_programs(out.device), n_tiles)
+    programs = min(num_programs(out.device), n_tiles)
     kernel_for(weight_grad_persistent_kernel, out.device)[(programs,)](
         *descs, al.expert_ends, M, N, E, left.shape[0],
         BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, BLOCK_E=next_pow2(E),
@@ -184,7 +176,7 @@ def _weight_grad_ws(left, right, out, al, bc, prec, bk) -> bool:
     if key in _WS_REJECTED:
         return False
     n_tiles = E * (M // bc.wg_m) * cdiv(N, bc.wg_n)
-    programs = min(_num_programs(out.device), n_tiles)
+    programs = min(num_programs(out.device), n_tiles)
     if out.is_cuda:
         ensure_triton_allocator()
     try:

@@ -2,6 +2,7 @@
 plain-torch reference on CPU. Read at call time so tests can flip the interpreter per test."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 
@@ -69,6 +70,20 @@ def ensure_triton_allocator() -> None:
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_scratch)
+
+
+_NO_GUARD = contextlib.nullcontext()
+
+
+def on_device(t: torch.Tensor):
+    """A context in which `t`'s CUDA device is the current device. Triton launches on the
+    current device and its stream, and kernels registered from Python get no device guard from
+    the dispatcher: tensors on cuda:1 with cuda:0 current would be read by a kernel on the
+    wrong GPU. Free (a shared no-op context) when the device already is the current one."""
+    if t.device.type != "cuda" or t.device.index is None \
+            or t.device.index == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(t.device.index)
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -186,6 +186,36 @@ def test_cuda_graph_capture_route_dispatch(T):
         assert torch.equal(out_static, step())
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ops_on_a_gpu_that_is_not_current():
+    """Route, dispatch and its backward on cuda:1 while cuda:0 is current (as with a model split
+    over GPUs): the kernels run on the tensors' GPU, results equal to running with cuda:1
+    current, and cuda:0 stays current."""
+    H, I, E, K = SHAPES["qwen3_30b_a3b"]
+    T = 256
+    g = torch.Generator(device="cuda:1").manual_seed(31)
+    args = make_dispatch_inputs(T, H, I, E, K, dtype=torch.bfloat16, device="cuda:1",
+                                weight_std=0.02, generator=g)
+    logits = torch.randn(T, E, device="cuda:1", generator=g)
+    go = torch.randn(T, H, device="cuda:1", dtype=torch.bfloat16, generator=g)
+
+    def run():
+        w, ids = torch.ops.moe.route(logits, K)
+        leaves = [a.detach().requires_grad_(True) for a in args[:4]]
+        out = torch.ops.moe.dispatch(*leaves, ids)
+        out.backward(go)
+        return [w, ids, out] + [a.grad for a in leaves]
+
+    torch.cuda.set_device(0)
+    got = run()
+    torch.cuda.synchronize(1)
+    assert torch.cuda.current_device() == 0
+    with torch.cuda.device(1):
+        ref = run()
+    for a, b in zip(got, ref):
+        assert a.device == torch.device("cuda:1") and torch.equal(a, b)
+
+
 def test_no_host_sync():
     args = _inputs("olmoe", 128, torch.bfloat16)
     logits = torch.randn(128, 64, device="cuda")

@@ -65,3 +65,22 @@ def test_interpreted_launch_leaves_triton_language_unpatched(interpreter):
         changed = sorted(k for k, v in attrs.items() if now.get(k) is not v)
         added = sorted(k for k, v in now.items() if k not in attrs and not inspect.ismodule(v))
         assert changed == [] and added == [], (obj, changed[:8], added[:8])
+
+
+def test_on_device_guards_only_a_non_current_gpu(monkeypatch):
+    """Kernels registered from Python get no device guard, and Triton launches on the current
+    device: the ops enter the tensor's device when it is another GPU than the current one, and
+    nothing (a shared no-op context) otherwise or on the CPU."""
+    from moe_ops._runtime import _NO_GUARD, on_device
+
+    class _T:   # the one attribute on_device reads
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert on_device(torch.zeros(1)) is _NO_GUARD
+    assert on_device(_T("cuda:0")) is _NO_GUARD
+    guard = on_device(_T("cuda:1"))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert on_device(_T("cuda:1")) is _NO_GUARD

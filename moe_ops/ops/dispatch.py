@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_ops._runtime import recompute_enabled, use_triton
+from moe_ops._runtime import on_device, recompute_enabled, use_triton
 from moe_ops.ops._registry import _lib, define
 from moe_ops.ops.checks import check_dispatch, check_ids_in_range, check_tensor_args
 from moe_ops.reference.dispatch import dispatch_backward_reference, dispatch_reference
@@ -48,7 +48,9 @@ def _forward(hidden, w13, w2, topk_weights, topk_ids, activation, save_z):
             res = dispatch_triton(*_upcast(hidden, w13, w2, topk_weights), topk_ids, activation,
                                   save_z=save_z)
             return tuple(r.to(hidden.dtype) for r in res) if save_z else res.to(hidden.dtype)
-        return dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation, save_z=save_z)
+        with on_device(hidden):
+            return dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation,
+                                   save_z=save_z)
     return dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activation, return_z=save_z)
 
 
@@ -62,8 +64,9 @@ def _backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, activation):
                                              topk_ids, activation,
                                              z=None if z is None else z.float())
             return tuple(g.to(t.dtype) for g, t in zip(grads, (hidden, w13, w2, topk_weights)))
-        return dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids,
-                                        activation, z=z)
+        with on_device(hidden):
+            return dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids,
+                                            activation, z=z)
     # The reference recomputes z in float32/float64 (z is a cache of W13_e x).
     return dispatch_backward_reference(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation)
 

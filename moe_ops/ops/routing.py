@@ -5,7 +5,7 @@ import numbers
 
 import torch
 
-from moe_ops._runtime import use_triton
+from moe_ops._runtime import on_device, use_triton
 from moe_ops.ops._registry import _lib, define
 from moe_ops.ops.checks import check_route, check_tensor_args
 from moe_ops.reference.routing import route_backward_reference, route_reference
@@ -30,8 +30,9 @@ def _route_impl(router_logits, top_k, scoring="softmax", renormalize=True, bias=
     if use_triton(router_logits):
         from moe_ops.launch.routing import route_triton
 
-        return route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups,
-                            topk_groups, scale)
+        with on_device(router_logits):
+            return route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups,
+                                topk_groups, scale)
     w, ids = route_reference(router_logits, top_k, scoring, renormalize, bias, num_groups,
                              topk_groups, scale)
     return w.to(torch.float32), ids

@@ -25,9 +25,10 @@ from typing import Iterator
 
 import torch
 
+from moe_ops.launch.dispatch import SMEM_LIMIT as SHARED_LIMIT   # bytes per program on sm_90
+
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.int32: "i32", torch.int64: "i64", torch.bool: "i1", torch.uint8: "u8"}
-SHARED_LIMIT = 232448   # bytes of shared memory a program may use on sm_90
 
 
 @dataclasses.dataclass

@@ -1009,7 +1009,6 @@ def test_ws_kernels_fall_back_when_they_do_not_compile(interpreter, monkeypatch)
     monkeypatch.setattr(launch, "kernel_for", kernel_for)
     monkeypatch.setattr(db, "kernel_for", kernel_for)
     monkeypatch.setattr(launch, "_WS_REJECTED", set())
-    monkeypatch.setattr(db, "_WS_REJECTED", set())
     ws_cfg = dataclasses.replace(cfg, down_ws=True)
     ws_bc = dataclasses.replace(bc, wg_ws=True, rows_ws=True)
     with pytest.warns(RuntimeWarning, match="did not compile"):

@@ -3,9 +3,8 @@ fused), deterministic combine. Every buffer is sized from shapes; nothing syncs 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-
 import warnings
+from dataclasses import dataclass
 
 import torch
 from triton.compiler.errors import CompilationError
@@ -161,12 +160,12 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
 def _rows_gemm_ws(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
                   num_stages, group_m, weights) -> bool:
     """rows_gemm_triton on rows_gemm_ws_kernel, if it applies: aligned rows of 64- or 128-row
-    blocks (two consumer warp groups split a tile: fewer rows give no wgmma), 16-bit operands, `a` and W in one of the kernel's two
-    storage layouts with 16-byte aligned rows, K_red a multiple of block_k, a GPU with tensor
+    blocks (two consumer warp groups split a tile: fewer rows give no wgmma), 16-bit operands,
+    `a` and W in one of the kernel's two storage layouts with 16-byte aligned rows, K_red a multiple of block_k, a GPU with tensor
     memory access (sm_90+) or the interpreter. At most 4 pipeline stages: at 5 (128x128x64
     tiles) Triton 3.6 compiles a kernel that leaves whole output tiles unwritten (measured on
     the H200, benchmarks/NOTES.md entry 24). A config this Triton fails to compile (shared
-    memory, or its warp-specialisation pass) is remembered and declined. Returns whether it
+    memory, or its warp-specialisation pass) is declined (launch_ws). Returns whether it
     ran."""
     E = w.shape[0]
     if (isinstance(al, DirectRows) or al.block_m not in (64, 128) or num_stages > 4
@@ -193,48 +192,52 @@ def _rows_gemm_ws(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, blo
     bm = al.block_m
     smem = (num_stages * (bm + block_n) * block_k * es
             + bm * block_n * (4 if y.element_size() == 4 else 1) + 2048)
-    key = (bm, block_n, block_k, num_stages, a.dtype, y.dtype, weights is not None, layout)
-    if smem > _SMEM_LIMIT or key in _WS_REJECTED:
+    if smem > SMEM_LIMIT:
         return False
     n_tiles = (al.max_rows // bm) * cdiv(N, block_n)
     programs = max(1, min(num_programs(a.device), n_tiles))
     tw = weights if weights is not None else y
-    if a.is_cuda:
+    key = (bm, block_n, block_k, num_stages, a.dtype, y.dtype, weights is not None, layout)
+    return launch_ws(
+        rows_gemm_ws_kernel, a.device, (programs,), key,
+        a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
+        n_slots, N, K_red, top_k, a.shape[0], E,
+        a.stride(0), tw.stride(0), tw.stride(1), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        NUM_PROGRAMS=programs, W_LAYOUT=layout, HAS_WEIGHTS=weights is not None,
+        DOT_PRECISION=_dot_precision(a.dtype), num_warps=4, num_stages=num_stages,
+    )
+
+
+def launch_ws(kernel, device, grid, key, *args, **kwargs) -> bool:
+    """Launch a warp-specialised kernel (their tensor descriptors are made on the device, so
+    Triton's scratch allocator is set first). Returns False, with nothing launched, when this
+    Triton fails to compile it (raised before any launch: shared memory over the limit, a
+    compilation error, or its MLIR pass pipeline failing: Triton's Hopper warp specialisation
+    rejects some loops, e.g. Triton 3.6 with a split epilogue), so that the caller runs its
+    per-tile kernel; a warning says so once, and `key` (what the compile depends on besides the
+    kernel) is not tried again. Any other error propagates."""
+    if (kernel, key) in _WS_REJECTED:
+        return False
+    if device.type == "cuda":
         ensure_triton_allocator()
     try:
-        kernel_for(rows_gemm_ws_kernel, a.device)[(programs,)](
-            a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
-            n_slots, N, K_red, top_k, a.shape[0], E,
-            a.stride(0), tw.stride(0), tw.stride(1), y.stride(0),
-            BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-            NUM_PROGRAMS=programs, W_LAYOUT=layout, HAS_WEIGHTS=weights is not None,
-            DOT_PRECISION=_dot_precision(a.dtype), num_warps=4, num_stages=num_stages,
-        )
+        kernel_for(kernel, device)[grid](*args, **kwargs)
     except Exception as exc:
-        if not ws_compile_failure(exc):
+        if not (isinstance(exc, (OutOfResources, CompilationError))
+                or (isinstance(exc, RuntimeError) and "PassManager::run failed" in str(exc))):
             raise
-        _WS_REJECTED.add(key)
+        _WS_REJECTED.add((kernel, key))
+        last = str(exc).splitlines()[-1][:200] if str(exc) else ""
+        warnings.warn(f"moe_ops: {kernel.fn.__name__} did not compile here "
+                      f"({type(exc).__name__}: {last}); the per-tile kernel runs instead",
+                      RuntimeWarning, stacklevel=3)
         return False
     return True
 
 
-def ws_compile_failure(exc: Exception) -> bool:
-    """Whether `exc` is Triton failing to compile a warp-specialised kernel (raised before
-    anything is launched, so the caller can run another kernel instead): shared memory over
-    the limit, a compilation error, or its MLIR pass pipeline failing (Triton's Hopper warp
-    specialisation rejects some loops, e.g. Triton 3.6 with a split epilogue). A warning says
-    which kernel fell back, once per config."""
-    failed = (isinstance(exc, (OutOfResources, CompilationError))
-              or (isinstance(exc, RuntimeError) and "PassManager::run failed" in str(exc)))
-    if failed:
-        warnings.warn(f"moe_ops: a warp-specialised kernel did not compile here "
-                      f"({type(exc).__name__}: {str(exc).splitlines()[-1][:200] if str(exc) else ''}); "
-                      "the per-tile kernel runs instead", RuntimeWarning, stacklevel=3)
-    return failed
-
-
-_SMEM_LIMIT = 232448   # bytes of shared memory a program may use on sm_90
-_WS_REJECTED: set = set()   # warp-specialised row GEMM configs the compiler rejected
+SMEM_LIMIT = 232448   # bytes of shared memory a program may use on sm_90
+_WS_REJECTED: set = set()   # (kernel, key) of warp-specialised launches the compiler rejected
 
 
 @functools.lru_cache(maxsize=None)

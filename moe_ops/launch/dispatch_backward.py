@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from moe_ops._runtime import cdiv, ensure_triton_allocator, kernel_for, next_pow2
+from moe_ops._runtime import cdiv, kernel_for, next_pow2
 from moe_ops.kernels.expert_gemm_backward import (gather_rows_kernel, swiglu_grad_kernel,
                                                   weight_grad_kernel,
                                                   weight_grad_persistent_kernel,
                                                   weight_grad_ws_kernel)
 from moe_ops.launch.alignment import align_triton
-from moe_ops.launch.dispatch import (_dot_precision, combine_triton, gate_up_triton,
-                                     num_programs, rows_gemm_triton, weight_desc,
-                                     ws_compile_failure)
+from moe_ops.launch.dispatch import (_dot_precision, _sm90, combine_triton, gate_up_triton,
+                                     launch_ws, num_programs, rows_gemm_triton, weight_desc)
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
 
@@ -158,8 +157,6 @@ def _weight_grad_ws(left, right, out, al, bc, prec, bk) -> bool:
     through an [E*M, N] view) and at most 4 pipeline stages (at 5, 128x128x64 tiles, Triton 3.6
     compiles a kernel that leaves whole output tiles unwritten: benchmarks/NOTES.md, entry 24).
     Returns whether it ran."""
-    from moe_ops.launch.dispatch import _sm90
-
     E, M, N = out.shape
     stages = bc.wg_stages or bc.num_stages
     if left.dtype not in (torch.bfloat16, torch.float16) or M % bc.wg_m or stages > 4:
@@ -172,26 +169,11 @@ def _weight_grad_ws(left, right, out, al, bc, prec, bk) -> bool:
             return False
     if not out.is_contiguous() or out.data_ptr() % 16 or N * es % 16:
         return False
-    key = (bc.wg_m, bc.wg_n, bk, stages, left.dtype)
-    if key in _WS_REJECTED:
-        return False
     n_tiles = E * (M // bc.wg_m) * cdiv(N, bc.wg_n)
     programs = min(num_programs(out.device), n_tiles)
-    if out.is_cuda:
-        ensure_triton_allocator()
-    try:
-        kernel_for(weight_grad_ws_kernel, out.device)[(programs,)](
-            left, right, out, al.expert_ends, M, N, E, left.shape[0], left.stride(0),
-            right.stride(0),
-            BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, NUM_PROGRAMS=programs,
-            DOT_PRECISION=prec, num_warps=4, num_stages=stages,
-        )
-    except Exception as exc:
-        if not ws_compile_failure(exc):
-            raise
-        _WS_REJECTED.add(key)
-        return False
-    return True
-
-
-_WS_REJECTED: set = set()   # warp-specialised weight-gradient configs the compiler rejected
+    return launch_ws(
+        weight_grad_ws_kernel, out.device, (programs,), (bc.wg_m, bc.wg_n, bk, stages, left.dtype),
+        left, right, out, al.expert_ends, M, N, E, left.shape[0], left.stride(0), right.stride(0),
+        BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, NUM_PROGRAMS=programs,
+        DOT_PRECISION=prec, num_warps=4, num_stages=stages,
+    )

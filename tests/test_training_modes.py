@@ -739,20 +739,33 @@ def test_one_token_out_of_range_ids_dropped(interpreter, monkeypatch, fused, tma
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. the persistent weight-gradient kernel (interpreted) against the per-tile kernel
+# 6. the persistent weight-gradient kernels (interpreted) against the per-tile kernel
+
+
+# The per-tile kernel's configuration and the persistent kernel's, per persistent kernel: the
+# plain one (the heuristic's 32-row tiles), the warp-specialised one (16-row tiles, so that the
+# output rows H = 48 and 2I = 80 are multiples of them).
+PERSISTENT_WG = {
+    "persistent": ("_weight_grad_persistent", dict(wg_persistent=False), dict(wg_persistent=True)),
+    "ws": ("_weight_grad_ws", dict(wg_m=16), dict(wg_m=16, wg_ws=True)),
+}
 
 
 @needs_interpreter
+@pytest.mark.parametrize("kernel", list(PERSISTENT_WG))
 @pytest.mark.parametrize("routing", ["uniform", "mixed", "one_expert", "skewed"])
-def test_weight_grad_persistent_matches_per_tile(interpreter, routing):
-    """Three programs walk all output tiles of both weight gradients (several tiles per expert,
-    several experts per program, an empty expert where the routing leaves one): bitwise the
-    per-tile kernel's sums (same rows, same order, same tile), and near float64."""
+def test_persistent_weight_grads_match_per_tile(interpreter, routing, kernel):
+    """Three programs of a persistent weight-gradient kernel (plain, or warp-specialised: the
+    same arithmetic in the interpreter, no warp groups) walk all output tiles of both weight
+    gradients (several tiles per expert, several experts per program, an empty expert where the
+    routing leaves one): bitwise the per-tile kernel's sums (same rows, same order, same tile),
+    and near float64. (The warp-specialised launcher's fallbacks: the next test.)"""
     import dataclasses
 
     import moe_ops.launch.dispatch_backward as db
     from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
+    launcher, per_tile_fields, fields = PERSISTENT_WG[kernel]
     seed = fresh_seed()
     T, H, I, E, K = 24, 48, 40, 5, 2
     args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed, dtype=torch.float16)
@@ -760,14 +773,14 @@ def test_weight_grad_persistent_matches_per_tile(interpreter, routing):
     cfg = dispatch_config(T, E, K, H, I, "cpu", torch.float16)
     bc = backward_config(cfg, "cpu", torch.float16)
     calls = []
-    run = db._weight_grad_persistent
+    run = getattr(db, launcher)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(db, "_weight_grad_persistent", lambda *a: (calls.append(a[2].shape), run(*a)))
-        per_tile = db.dispatch_backward_triton(go, *args, config=cfg,
-                                               bwd_config=dataclasses.replace(bc, wg_persistent=False))
+        mp.setattr(db, launcher, lambda *a: (calls.append(a[2].shape), run(*a))[1])
+        per_tile = db.dispatch_backward_triton(
+            go, *args, config=cfg, bwd_config=dataclasses.replace(bc, **per_tile_fields))
         assert calls == []
-        persistent = db.dispatch_backward_triton(go, *args, config=cfg,
-                                                 bwd_config=dataclasses.replace(bc, wg_persistent=True))
+        persistent = db.dispatch_backward_triton(
+            go, *args, config=cfg, bwd_config=dataclasses.replace(bc, **fields))
     assert calls == [(E, H, I), (E, 2 * I, H)], (seed, calls)   # dW2, then dW13
     ref = dispatch_backward_reference(go.double(), *_double(args))
     for name, a, b, r in zip(NAMES, persistent, per_tile, ref):
@@ -779,43 +792,7 @@ def test_weight_grad_persistent_matches_per_tile(interpreter, routing):
 
 
 # ---------------------------------------------------------------------------------------------
-# 7. the warp-specialised kernels (interpreted: the same arithmetic, no warp groups)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("routing", ["uniform", "mixed", "one_expert", "skewed"])
-def test_weight_grad_ws_matches_per_tile(interpreter, routing):
-    """The warp-specialised persistent weight-gradient kernel (three programs walking every
-    output tile, an empty expert where the routing leaves one) sums the per-tile kernel's rows
-    in its order with its tile: bitwise equal, near float64 (the fallbacks: the next test)."""
-    import dataclasses
-
-    import moe_ops.launch.dispatch_backward as db
-    from moe_ops.tuning.heuristics import backward_config, dispatch_config
-
-    seed = fresh_seed()
-    T, H, I, E, K = 24, 48, 40, 5, 2
-    args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed, dtype=torch.float16)
-    go = torch.randn(T, H, generator=g).to(torch.float16)
-    cfg = dispatch_config(T, E, K, H, I, "cpu", torch.float16)
-    bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float16), wg_m=16)
-    calls = []
-    run = db._weight_grad_ws
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(db, "_weight_grad_ws",
-                   lambda *a: (calls.append(a[2].shape), run(*a))[1])
-        per_tile = db.dispatch_backward_triton(go, *args, config=cfg, bwd_config=bc)
-        assert calls == []
-        ws = db.dispatch_backward_triton(go, *args, config=cfg,
-                                         bwd_config=dataclasses.replace(bc, wg_ws=True))
-    assert calls == [(E, H, I), (E, 2 * I, H)], (seed, calls)   # dW2, then dW13
-    ref = dispatch_backward_reference(go.double(), *_double(args))
-    for name, a, b, r in zip(NAMES, ws, per_tile, ref):
-        assert torch.equal(a, b), (seed, name)
-        if r.norm() == 0:
-            assert torch.equal(a, torch.zeros_like(a)), (seed, name)
-        else:
-            assert rel_err(a, r) <= GRAD_TOL[torch.float16], (seed, name, rel_err(a, r))
+# 7. the warp-specialised kernels' launchers (interpreted)
 
 
 @needs_interpreter

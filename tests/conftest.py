@@ -21,12 +21,39 @@ os.environ.setdefault("MOE_OPS_VERIFY_LAUNCH", "1")
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_err(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    """||out - ref|| / ||ref||, or / ||scale|| where the error is relative to something else
+    than the result (see `grad_errors`)."""
     out, ref = out.double(), ref.double()
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert not torch.isnan(out).any(), "output holds NaN (unwritten or poisoned elements)"
-    denom = ref.norm().item()
+    denom = (ref if scale is None else scale.double()).norm().item()
     return (out - ref).norm().item() / max(denom, 1e-30)
+
+
+def ds_scale(grad_out, hidden, w13, w2, topk_weights, topk_ids):
+    """d topk_weights[t, k] = <dO_t W2_e, a_tk> summed over absolute values (float64): the
+    reference backward on |inputs|. A float32 sum's error is bounded relative to this
+    (|fl(sum) - sum| <= n eps sum |terms|), not to the sum, which can cancel to near zero;
+    silu(|g|) >= |silu(g)| and |x| @ |W| >= |x @ W|, so the cancellations in z and dO W2 are
+    covered too."""
+    from moe_ops.reference import dispatch_backward_reference
+
+    def d(t):
+        return t.detach().double().abs()
+
+    return dispatch_backward_reference(d(grad_out), d(hidden), d(w13), d(w2), d(topk_weights),
+                                       topk_ids)[3]
+
+
+def grad_errors(got, ref, grad_out, args):
+    """Relative errors of the gradients (hidden, w13, w2, topk_weights) of moe.dispatch against
+    a float64 `ref`. d topk_weights is one dot product per slot (a single number at T = K = 1)
+    that can cancel, so its error is taken relative to `ds_scale`; the other three are
+    vectors or matrices of such sums, whose norm does not cancel: ||got - ref|| / ||ref||."""
+    scale = ds_scale(grad_out, *args[:5])
+    return ([rel_err(a, r) for a, r in zip(got[:3], ref[:3])]
+            + [rel_err(got[3], ref[3], scale=scale)])
 
 
 def subnormal_floor(dtype: torch.dtype, numel: int) -> float:

@@ -172,11 +172,9 @@ def _rows_gemm_ws(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, blo
             or a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype
             or K_red % block_k):
         return False
-    if a.is_cuda and not _sm90(a.device):
+    if not (tma_layout_ok(a) and tma_layout_ok(w)):
         return False
     es = a.element_size()
-    if a.stride(1) != 1 or a.data_ptr() % 16 or a.stride(0) * es % 16 or w.data_ptr() % 16:
-        return False
     if tuple(w_strides) == (N * K_red, K_red, 1) and w.is_contiguous():
         layout = 1      # [E, N, K_red] storage
     elif tuple(w_strides) == (N * K_red, 1, N) and w.is_contiguous():
@@ -330,6 +328,20 @@ def _direct_args(al, n_experts) -> dict:
     return dict(ids_ptr=al.ids, stride_ik=al.ids.stride(1), n_experts=n_experts, DIRECT=True)
 
 
+def tma_layout_ok(t, strides=None) -> bool:
+    """Whether tensor memory access can address `t` (or the view of its storage with
+    `strides`): a GPU with a tensor memory accelerator (sm_90+; the interpreter too), a
+    contiguous last dimension, a 16-byte aligned base and 16-byte multiples as other strides.
+    The host descriptors (weight_desc) and the kernels that make theirs on the device (the
+    warp-specialised ones) share it."""
+    if t.is_cuda and not _sm90(t.device):
+        return False
+    strides = t.stride() if strides is None else strides
+    es = t.element_size()
+    return (strides[-1] == 1 and t.data_ptr() % 16 == 0
+            and all(st * es % 16 == 0 for st in strides[:-1]))
+
+
 def weight_desc(w, block_shape, shape=None, strides=None):
     """A tensor-memory-access descriptor of `w` (an [E, ., .] weight; the backward's weight
     gradients also pass row-ordered activations and gradients), or of the view of its storage
@@ -337,12 +349,9 @@ def weight_desc(w, block_shape, shape=None, strides=None):
     allow one (TMA needs a contiguous last dimension and 16-byte aligned base and strides) or
     the GPU has no tensor memory accelerator (before sm_90: the pointer path, as measured there
     before TMA). The interpreter takes descriptors (its tests cover the TMA path on CPU)."""
-    if w.is_cuda and not _sm90(w.device):
-        return None
     shape = list(w.shape) if shape is None else list(shape)
     strides = list(w.stride()) if strides is None else list(strides)
-    es = w.element_size()
-    if strides[-1] != 1 or w.data_ptr() % 16 or any(st * es % 16 for st in strides[:-1]):
+    if not tma_layout_ok(w, strides):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -18,8 +18,8 @@ from moe_ops.kernels.expert_gemm_backward import (gather_rows_kernel, swiglu_gra
                                                   weight_grad_persistent_kernel,
                                                   weight_grad_ws_kernel)
 from moe_ops.launch.alignment import align_triton
-from moe_ops.launch.dispatch import (_dot_precision, _sm90, combine_triton, gate_up_triton,
-                                     launch_ws, num_programs, rows_gemm_triton, weight_desc)
+from moe_ops.launch.dispatch import (_dot_precision, combine_triton, gate_up_triton, launch_ws,
+                                     num_programs, rows_gemm_triton, tma_layout_ok, weight_desc)
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
 
@@ -161,13 +161,8 @@ def _weight_grad_ws(left, right, out, al, bc, prec, bk) -> bool:
     stages = bc.wg_stages or bc.num_stages
     if left.dtype not in (torch.bfloat16, torch.float16) or M % bc.wg_m or stages > 4:
         return False
-    if out.is_cuda and not _sm90(out.device):
-        return False
-    es = left.element_size()
-    for t in (left, right):
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or t.stride(0) * es % 16:
-            return False
-    if not out.is_contiguous() or out.data_ptr() % 16 or N * es % 16:
+    # (out is stored through an [E*M, N] view: contiguous)
+    if not (out.is_contiguous() and all(tma_layout_ok(t) for t in (left, right, out))):
         return False
     n_tiles = E * (M // bc.wg_m) * cdiv(N, bc.wg_n)
     programs = min(num_programs(out.device), n_tiles)

@@ -28,6 +28,7 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -58,6 +59,20 @@ def build_model(device: str, layers: int | None, seed: int):
     with torch.device(device):
         model = MixtralForCausalLM._from_config(config, dtype=dtype)
     return model.eval()
+
+
+class _MoeCalls(TorchDispatchMode):
+    """Counts the torch.ops.moe.* calls of a forward: shows which path each run took."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "moe":
+            name = func.__name__.split(".")[0]
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def sync(device):
@@ -166,11 +181,17 @@ def main():
 
     results = []  # (name, prefill tok/s, decode tok/s, tokens, logits)
 
-    def run(name, setup, teardown=None):
+    def run(name, setup, teardown=None, expect=None):
+        """`expect`: the moe ops one forward must call (a patch that did not take effect
+        would otherwise be timed and compared as if it had)."""
         setup()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _MoeCalls() as calls:
                 logits = model(ids).logits[:, -1].float()
+            want = {op: cfg.num_hidden_layers for op in expect or ()}
+            if calls.counts != want:
+                raise SystemExit(f"{name}: one forward called torch.ops.moe {calls.counts}, "
+                                 f"expected {want}")
             prefill, decode, tokens = measure(model, ids, new_tokens, device, repeats, args.compile)
         finally:
             if teardown is not None:
@@ -179,7 +200,9 @@ def main():
                 model.__dict__.pop("_compiled_call", None)
                 torch._dynamo.reset()
         results.append((name, prefill, decode, tokens, logits))
-        print(f"  {name:<34} prefill {prefill:>10.1f} tok/s   decode {decode:>8.1f} tok/s")
+        ops = ", ".join(f"{op} x{n}" for op, n in calls.counts.items()) or "none"
+        print(f"  {name:<34} prefill {prefill:>10.1f} tok/s   decode {decode:>8.1f} tok/s   "
+              f"(moe ops per forward: {ops})")
 
     run('transformers "eager"', lambda: model.set_experts_implementation("eager"))
     if "grouped_mm" in ALL_EXPERTS_FUNCTIONS:
@@ -190,8 +213,9 @@ def main():
     else:
         print('  transformers "grouped_mm"          not in this transformers')
     run('experts_implementation="moe_ops"', lambda: model.set_experts_implementation("moe_ops"),
-        lambda: model.set_experts_implementation("eager"))
-    run("apply_moe_ops (route + dispatch)", lambda: apply_moe_ops(model), lambda: revert_moe_ops(model))
+        lambda: model.set_experts_implementation("eager"), expect=["dispatch"])
+    run("apply_moe_ops (route + dispatch)", lambda: apply_moe_ops(model), lambda: revert_moe_ops(model),
+        expect=["route", "dispatch"])
 
     # Tokens and last-position logits against the unpatched model.
     ref_name, _, _, ref_tokens, ref_logits = results[0]

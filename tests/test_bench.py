@@ -170,6 +170,24 @@ def test_examples_reject_zero_counts(script, args, message):
     assert r.returncode == 2 and message in r.stderr, (r.returncode, r.stderr[-500:])
 
 
+@pytest.mark.parametrize("script,args,expected", [
+    ("hf_mixtral.py", ["--new-tokens", "4", "--prompt-len", "8", "--repeats", "1"],
+     "apply_moe_ops (route + dispatch)   tokens identical"),
+    ("quickstart.py", [], "relative error vs plain PyTorch"),
+    ("train_moe.py", ["--steps", "20"], "PASS: every loss of the first 20 steps"),
+    ("cuda_graph_decode.py", ["--new-tokens", "4"], "tokens, transformers vs moe_ops: OK"),
+])
+def test_examples_run_on_cpu(script, args, expected):
+    """The examples (README's first command runs hf_mixtral.py) run to the end on the CPU
+    with tiny sizes, and their own checks pass (each exits non-zero on a mismatch)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--device", "cpu"] + args,
+                       env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and expected in r.stdout, (r.returncode, r.stdout[-800:],
+                                                        r.stderr[-800:])
+
+
 def test_cell_inputs_match_the_bench_recipe(monkeypatch):
     """bench.cell_inputs ('shape:T', used by the benchmarks/ scripts) makes what the bench's
     own steps make: weights seed 0, tokens seed 1, the shape's routing; given weights, reuses

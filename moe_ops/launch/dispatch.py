@@ -349,10 +349,10 @@ def weight_desc(w, block_shape, shape=None, strides=None):
     allow one (TMA needs a contiguous last dimension and 16-byte aligned base and strides) or
     the GPU has no tensor memory accelerator (before sm_90: the pointer path, as measured there
     before TMA). The interpreter takes descriptors (its tests cover the TMA path on CPU)."""
-    shape = list(w.shape) if shape is None else list(shape)
-    strides = list(w.stride()) if strides is None else list(strides)
     if not tma_layout_ok(w, strides):
         return None
+    shape = list(w.shape) if shape is None else list(shape)
+    strides = list(w.stride()) if strides is None else list(strides)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     key = (len(shape), tuple(block_shape))

@@ -84,3 +84,29 @@ def test_on_device_guards_only_a_non_current_gpu(monkeypatch):
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert on_device(_T("cuda:1")) is _NO_GUARD
+
+
+def test_works_without_transformers():
+    """transformers is optional (the `hf` extra): without it `import moe_ops` registers the ops
+    and they run, and apply_moe_ops() says what is missing instead of failing on an import."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules["transformers"] = None   # as if not installed: any import of it raises ImportError
+import torch, moe_ops
+from moe_ops.integrations.huggingface import apply_moe_ops
+w, ids = torch.ops.moe.route(torch.randn(3, 4), 2)
+out = torch.ops.moe.dispatch(torch.randn(3, 8), torch.randn(4, 12, 8), torch.randn(4, 8, 6), w, ids)
+assert out.shape == (3, 8) and not out.isnan().any()
+try:
+    apply_moe_ops()
+except ImportError as exc:
+    assert "pip install 'moe_ops[hf]'" in str(exc), exc
+    print("OK")
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.stdout[-500:], r.stderr[-800:])

@@ -402,7 +402,12 @@ def apply_moe_ops(model: torch.nn.Module | None = None):
     if model is None:
         loaded = _loaded_families()
         if not loaded:
-            import transformers
+            try:
+                import transformers
+            except ImportError:
+                raise ImportError("apply_moe_ops() patches transformers' MoE classes, and "
+                                  "transformers is not installed: pip install 'moe_ops[hf]' "
+                                  "(transformers >= 5.0)") from None
 
             raise UnsupportedModelError(
                 f"apply_moe_ops: transformers {transformers.__version__} has none of the supported "

@@ -28,12 +28,12 @@ import sys
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import moe_ops  # noqa: E402,F401  (registers torch.ops.moe.* and the "moe_ops" experts implementation)
 from moe_ops._runtime import interpret_enabled  # noqa: E402
+from moe_ops.debug import OpCounter  # noqa: E402
 from moe_ops.integrations.huggingface import apply_moe_ops, revert_moe_ops  # noqa: E402
 
 
@@ -59,20 +59,6 @@ def build_model(device: str, layers: int | None, seed: int):
     with torch.device(device):
         model = MixtralForCausalLM._from_config(config, dtype=dtype)
     return model.eval()
-
-
-class _MoeCalls(TorchDispatchMode):
-    """Counts the torch.ops.moe.* calls of a forward: shows which path each run took."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "moe":
-            name = func.__name__.split(".")[0]
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def sync(device):
@@ -186,7 +172,7 @@ def main():
         would otherwise be timed and compared as if it had)."""
         setup()
         try:
-            with torch.no_grad(), _MoeCalls() as calls:
+            with torch.no_grad(), OpCounter() as calls:
                 logits = model(ids).logits[:, -1].float()
             want = {op: cfg.num_hidden_layers for op in expect or ()}
             if calls.counts != want:

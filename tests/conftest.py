@@ -11,7 +11,7 @@ import moe_ops  # noqa: F401  (registers torch.ops.moe.*)
 # with the variable set).
 import moe_ops.launch.dispatch_backward  # noqa: F401,E402
 import moe_ops.launch.routing  # noqa: F401,E402
-from torch.utils._python_dispatch import TorchDispatchMode
+from moe_ops.debug import OpCounter  # noqa: E402,F401  (the tests import it from here)
 
 # Every fast launch (moe_ops.launch.fast) in the tests is checked against the kernel Triton's JIT
 # would pick (CUDA only; GPU tests).
@@ -122,16 +122,7 @@ def _needs_interpreter():
 needs_interpreter = _needs_interpreter()
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts calls of torch.ops.moe.* that reach the dispatcher below Autograd (forward and
-    backward ops alike)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "moe":
-            name = func.__name__.split(".")[0]
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
+def env_without_interpreter() -> dict:
+    """This process's environment without TRITON_INTERPRET, for a child process (an example,
+    a fresh interpreter) that must take the default path whatever fixture is active here."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

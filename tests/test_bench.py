@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import env_without_interpreter
 from moe_ops import bench
 
 ROOT = Path(__file__).parents[1]
@@ -180,10 +181,8 @@ def test_examples_reject_zero_counts(script, args, message):
 def test_examples_run_on_cpu(script, args, expected):
     """The examples (README's first command runs hf_mixtral.py) run to the end on the CPU
     with tiny sizes, and their own checks pass (each exits non-zero on a mismatch)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--device", "cpu"] + args,
-                       env=env,
-                       capture_output=True, text=True, timeout=300)
+                       env=env_without_interpreter(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and expected in r.stdout, (r.returncode, r.stdout[-800:],
                                                         r.stderr[-800:])
 

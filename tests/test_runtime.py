@@ -4,6 +4,7 @@ import inspect
 import torch
 import triton
 
+from conftest import env_without_interpreter
 from moe_ops._runtime import cdiv, next_pow2
 
 
@@ -106,7 +107,6 @@ except ImportError as exc:
     assert "pip install 'moe_ops[hf]'" in str(exc), exc
     print("OK")
 """
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env=env)
+                       env=env_without_interpreter())
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.stdout[-500:], r.stderr[-800:])

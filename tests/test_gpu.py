@@ -495,3 +495,47 @@ def test_fast_launch_repeated_and_misaligned_calls(T, monkeypatch):
     for _ in range(2):
         again = torch.ops.moe.route(logits, K)
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "empty_experts", "negative"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_fused_da_matches_split_path(name, routing):
+    """dA with the elementwise pass as its warp-specialised epilogue (BackwardConfig.fused_da)
+    against the split path (dA GEMM, then swiglu_grad_kernel) and the float32 reference: the
+    same dz and s*a up to the compiler's contraction of the same formula, so every gradient is
+    near the split path's and the reference; it must have run (not fallen back)."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch_backward as db
+    from moe_ops.reference import dispatch_backward_reference
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    T = 2048
+    E = 64 if name == "deepseek_v3_routed" else None
+    hidden, w13, w2, tw, ids = _inputs(name, T, torch.bfloat16, routing=routing, seed=23,
+                                       num_experts=E)
+    go = torch.randn(T, hidden.shape[1], device="cuda", dtype=torch.bfloat16)
+    cfg = dataclasses.replace(dispatch_config(T, w2.shape[0], ids.shape[1], w2.shape[1],
+                                              w2.shape[2], "cuda", torch.bfloat16), block_m=128)
+    bc = backward_config(cfg, "cuda", torch.bfloat16)
+    _poison_allocator()
+    split = db.dispatch_backward_triton(go, hidden, w13, w2, tw, ids, config=cfg, bwd_config=bc)
+    ran = []
+    real = db._da_swiglu_ws
+    db._da_swiglu_ws = lambda *a: ran.append(real(*a)) or ran[-1]
+    try:
+        _poison_allocator()
+        fused = db.dispatch_backward_triton(go, hidden, w13, w2, tw, ids, config=cfg,
+                                            bwd_config=dataclasses.replace(bc, fused_da=True))
+    finally:
+        db._da_swiglu_ws = real
+    assert ran == [True], ran
+    ref = dispatch_backward_reference(go, hidden, w13, w2, tw, ids)
+    for label, a, b, r in zip(("hidden", "w13", "w2", "topk_weights"), fused, split, ref):
+        if r.norm() == 0:
+            assert torch.equal(a, torch.zeros_like(a)), label
+            continue
+        assert rel_err(a, b) <= 1e-2, (label, rel_err(a, b))
+        assert rel_err(a, r) <= BWD_RTOL[torch.bfloat16], (label, rel_err(a, r))
+    del fused, split, ref
+    torch.cuda.empty_cache()

@@ -1008,3 +1008,42 @@ def test_ws_kernels_fall_back_when_they_do_not_compile(interpreter, monkeypatch)
     monkeypatch.setattr(launch, "_WS_REJECTED", set())
     with pytest.raises(ValueError, match="not a compile failure"):
         launch.dispatch_triton(*args, config=ws_cfg)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("routing", ["uniform", "mixed", "one_expert", "skewed"])
+def test_fused_da_matches_split_path(interpreter, monkeypatch, routing, block_m):
+    """dA with the elementwise pass as its warp-specialised epilogue (BackwardConfig.fused_da):
+    dz and s*a are the split path's values, so dx and the weight gradients are bitwise equal
+    to its; d topk_weights (partial sums per column tile, then summed in order) is near
+    float64; no float32 dA buffer is allocated; poisoned buffers show any row it reads or
+    leaves unwritten. I = 48 is not a multiple of the 32-wide tiles."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch_backward as db
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    T, H, I, E, K = 40, 64, 48, 5, 2
+    args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed, dtype=torch.float16)
+    go = torch.randn(T, H, generator=g).to(torch.float16)
+    cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float16),
+                              block_m=block_m, block_n1=32, block_k1=16, block_n2=32, block_k2=16)
+    bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float16), da_n=32, da_k=16)
+    _poison_empty(monkeypatch)
+    from moe_ops.launch.dispatch import dispatch_triton
+    _, z = dispatch_triton(*args, config=cfg, save_z=True)
+    base = db.dispatch_backward_triton(go, *args, z=z, config=cfg, bwd_config=bc)
+    calls = []
+    real = db._da_swiglu_ws
+    monkeypatch.setattr(db, "_da_swiglu_ws", lambda *a: calls.append(real(*a)) or calls[-1])
+    for saved in (True, False):
+        got = db.dispatch_backward_triton(go, *args, z=z if saved else None, config=cfg,
+                                          bwd_config=dataclasses.replace(bc, fused_da=True))
+        ref = dispatch_backward_reference(go.double(), *_double(args))
+        for name, a, b, err in zip(NAMES, got, base, grad_errors(got, ref, go, args)):
+            if name != "topk_weights":
+                assert torch.equal(a, b), (seed, saved, name)
+            assert err <= GRAD_TOL[torch.float16], (seed, saved, name, err)
+    assert calls == [True, True], calls   # fused both times (saved and recomputed z)

@@ -50,11 +50,6 @@ def variants(base):
                                    da_n=128, num_stages=3),
         "wg ws s3 + rows ws dx128": r(base, wg_ws=True, wg_n=256, wg_stages=3, rows_ws=True,
                                       da_n=128, dx_n=128),
-        # dA with the elementwise pass as its epilogue (da_swiglu_ws_kernel; NOTES entry 25)
-        # (its pipeline depth is num_stages, shared with the other kernels: 4 by default)
-        "fused da n128": r(base, fused_da=True, da_n=128),
-        "fused da n64": r(base, fused_da=True, da_n=64),
-        "fused da n256": r(base, fused_da=True, da_n=256),
     }
 
 

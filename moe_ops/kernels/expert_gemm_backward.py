@@ -21,8 +21,6 @@ dx: the forward's down_kernel shape of work (dz @ W13_e per row, per slot) then 
 import triton
 import triton.language as tl
 
-from moe_ops.kernels.expert_gemm import grouped_tile
-
 
 @triton.jit
 def swiglu_grad_kernel(
@@ -243,83 +241,3 @@ def weight_grad_ws_kernel(
             r = r_desc.load([row, n0])           # [BLOCK_K, BLOCK_N]
             acc = tl.dot(tl.trans(lt), r, acc, input_precision=DOT_PRECISION)
         o_desc.store([e * M + m0, n0], acc.to(o_desc.dtype))
-
-
-@triton.jit
-def da_swiglu_ws_kernel(
-    a_ptr, w_ptr, z_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
-    dz_ptr, sa_ptr, ds_part_ptr,
-    n_slots, I, H, top_k, max_rows, n_experts,
-    stride_am, stride_z, stride_tw_t, stride_tw_k, stride_dz, stride_sa,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """dA = dO_t W2_e with swiglu_grad_kernel's elementwise pass as the epilogue, in
-    rows_gemm_ws_kernel's persistent warp-specialised loop (its W layout 2: W2 is [E, H, I]
-    storage, viewed as [E*H, I]; the caller guarantees H % BLOCK_K == 0). dA never goes to
-    memory: a tile's epilogue loads z and s of its rows, writes dz (both halves) and s*a per
-    row (zeros on padding rows) and its partial <dA, a> over the tile's columns to
-    ds_part[pid_n, row]; ds_reduce_kernel sums those in a fixed order (deterministic, no
-    atomics). dz and s*a are the split path's values; ds sums in another order. Row blocks
-    below the device-side row count only (a multiple of BLOCK_M)."""
-    pid = tl.program_id(0)
-    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[max_rows, H], strides=[stride_am, 1],
-                                       block_shape=[BLOCK_M, BLOCK_K])
-    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[n_experts * H, I], strides=[I, 1],
-                                       block_shape=[BLOCK_K, BLOCK_N])
-    n_blocks = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
-    n_tiles = n_blocks * tl.cdiv(I, BLOCK_N)
-    for tile in tl.range(pid, n_tiles, NUM_PROGRAMS, warp_specialize=True):
-        pid_m, pid_n = grouped_tile(tile, n_blocks, I, BLOCK_N, GROUP_M)
-        e = tl.load(block_expert_ptr + pid_m)
-        n0 = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            a = a_desc.load([pid_m * BLOCK_M, k0])
-            b = w_desc.load([e * H + k0, n0])
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rows64 = rows.to(tl.int64)
-        slots = tl.load(sorted_ptr + rows).to(tl.int64)
-        valid = slots < n_slots
-        offs = n0 + tl.arange(0, BLOCK_N)
-        i_mask = offs < I
-        m = valid[:, None] & i_mask[None, :]
-        s = tl.load(weights_ptr + (slots // top_k) * stride_tw_t + (slots % top_k) * stride_tw_k,
-                    mask=valid, other=0.0).to(tl.float32)
-        z_ptrs = z_ptr + slots[:, None] * stride_z + offs[None, :]
-        g = tl.load(z_ptrs, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(z_ptrs + I, mask=m, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-g))
-        silu = g * sig
-        act = silu * u
-        tl.store(ds_part_ptr + pid_n * max_rows + rows64, tl.sum(acc * act, axis=1))
-        da = acc * s[:, None]
-        # padding rows: their gathered dO rows are 0 (so acc is), g, u and s are 0
-        m_store = (rows < max_rows)[:, None] & i_mask[None, :]
-        dz_ptrs = dz_ptr + rows64[:, None] * stride_dz + offs[None, :]
-        tl.store(dz_ptrs, (da * u * sig * (1.0 + g * (1.0 - sig))).to(dz_ptr.dtype.element_ty),
-                 mask=m_store)
-        tl.store(dz_ptrs + I, (da * silu).to(dz_ptr.dtype.element_ty), mask=m_store)
-        tl.store(sa_ptr + rows64[:, None] * stride_sa + offs[None, :],
-                 (act * s[:, None]).to(sa_ptr.dtype.element_ty), mask=m_store)
-
-
-@triton.jit
-def ds_reduce_kernel(ds_part_ptr, sorted_ptr, num_rows_ptr, dweights_ptr, n_parts, max_rows,
-                     n_slots, top_k, stride_dw_t, stride_dw_k, BLOCK_R: tl.constexpr):
-    """d topk_weights[slot] = sum over the parts p in order of ds_part[p, row] (da_swiglu_ws_kernel's
-    per-tile partial dot products), for the valid slots of the aligned rows below the row count."""
-    pid = tl.program_id(0)
-    num_rows = tl.load(num_rows_ptr)
-    if pid * BLOCK_R >= num_rows:
-        return
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    in_range = rows < num_rows
-    slots = tl.load(sorted_ptr + rows, mask=in_range, other=n_slots).to(tl.int64)
-    valid = in_range & (slots < n_slots)
-    ds = tl.zeros((BLOCK_R,), tl.float32)
-    for p in range(0, n_parts):
-        ds += tl.load(ds_part_ptr + p * max_rows + rows, mask=valid, other=0.0)
-    tl.store(dweights_ptr + (slots // top_k) * stride_dw_t + (slots % top_k) * stride_dw_k,
-             ds.to(dweights_ptr.dtype.element_ty), mask=valid)

@@ -13,15 +13,13 @@ from __future__ import annotations
 import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
-from moe_ops.kernels.expert_gemm_backward import (da_swiglu_ws_kernel, ds_reduce_kernel,
-                                                  gather_rows_kernel, swiglu_grad_kernel,
+from moe_ops.kernels.expert_gemm_backward import (gather_rows_kernel, swiglu_grad_kernel,
                                                   weight_grad_kernel,
                                                   weight_grad_persistent_kernel,
                                                   weight_grad_ws_kernel)
 from moe_ops.launch.alignment import align_triton
-from moe_ops.launch.dispatch import (SMEM_LIMIT, DirectRows, _dot_precision, combine_triton,
-                                     gate_up_triton, launch_ws, num_programs, rows_gemm_triton,
-                                     tma_layout_ok, weight_desc)
+from moe_ops.launch.dispatch import (_dot_precision, combine_triton, gate_up_triton, launch_ws,
+                                     num_programs, rows_gemm_triton, tma_layout_ok, weight_desc)
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
 
@@ -58,22 +56,19 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     if z is None:   # recompute: the forward's gate+up GEMM; z lives only during this call
         z = torch.empty(n_slots, 2 * I, dtype=dt, device=dev)
         gate_up_triton(hidden, w13, sa, al, cfg, n_slots, K, z=z)
-    if not (bc.fused_da and _da_swiglu_ws(gos, w2, z, topk_weights, al, dz, sa, dweights,
-                                          n_slots, K, bc, stages)):
-        dA = torch.empty(n_slots, I, dtype=torch.float32, device=dev)
-        rows_gemm_triton(gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), dA, al, I, H,
-                         n_slots, K, bc.da_n, bc.da_k, bc.da_warps, stages, tma=bc.tma,
-                         half_tail=bc.half_tail, ws=bc.rows_ws)
-        block_i = min(bc.ew_i, next_pow2(I))
-        kernel_for(swiglu_grad_kernel, dev)[(cdiv(al.max_rows, bc.ew_r),)](
-            dA, z, topk_weights, al.sorted_slots, al.num_rows, dz, sa, dweights,
-            n_slots, I, K, dA.stride(0), z.stride(0), topk_weights.stride(0),
-            topk_weights.stride(1), dz.stride(0), sa.stride(0), dweights.stride(0),
-            dweights.stride(1),
-            BLOCK_R=bc.ew_r, BLOCK_I=block_i, num_warps=4,
-        )
-        del dA
-    del z   # a recomputed z is freed here, before the weight-gradient GEMMs
+    dA = torch.empty(n_slots, I, dtype=torch.float32, device=dev)
+    rows_gemm_triton(gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), dA, al, I, H,
+                     n_slots, K, bc.da_n, bc.da_k, bc.da_warps, stages, tma=bc.tma,
+                     half_tail=bc.half_tail, ws=bc.rows_ws)
+    block_i = min(bc.ew_i, next_pow2(I))
+    kernel_for(swiglu_grad_kernel, dev)[(cdiv(al.max_rows, bc.ew_r),)](
+        dA, z, topk_weights, al.sorted_slots, al.num_rows, dz, sa, dweights,
+        n_slots, I, K, dA.stride(0), z.stride(0), topk_weights.stride(0),
+        topk_weights.stride(1), dz.stride(0), sa.stride(0), dweights.stride(0),
+        dweights.stride(1),
+        BLOCK_R=bc.ew_r, BLOCK_I=block_i, num_warps=4,
+    )
+    del dA, z   # a recomputed z is freed here, before the weight-gradient GEMMs
 
     # dW2_e [H, I] = sum_rows dO[t]^T (s a)[row];  dW13_e [2I, H] = sum_rows dz[row]^T x[t]
     weight_grad_triton(gos, sa, dw2, al, bc, prec)
@@ -88,49 +83,6 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
                      half_tail=bc.half_tail, ws=bc.rows_ws)
     combine_triton(dxs, topk_ids, dx, E)
     return dx, dw13, dw2, dweights
-
-
-def _da_swiglu_ws(gos, w2, z, topk_weights, al, dz, sa, dweights, n_slots, top_k, bc,
-                  stages) -> bool:
-    """dA and the elementwise pass in one warp-specialised kernel (da_swiglu_ws_kernel, then
-    ds_reduce_kernel), if it applies: what _rows_gemm_ws needs of the dA GEMM (64- or 128-row
-    blocks, 16-bit operands with tensor-memory-access layouts, H % da_k == 0, at most 4 stages,
-    sm_90+ or the interpreter) and z rows of 2I contiguous elements. No float32 dA buffer
-    ([T*K, I]) is allocated then. Returns whether it ran."""
-    E, H, I = w2.shape
-    bm, bn, bk = al.block_m, bc.da_n, bc.da_k
-    es = gos.element_size()
-    if (isinstance(al, DirectRows) or bm not in (64, 128) or stages > 4
-            or gos.dtype not in (torch.bfloat16, torch.float16) or w2.dtype != gos.dtype
-            or H % bk or not w2.is_contiguous() or z.stride(1) != 1
-            or not (tma_layout_ok(gos) and tma_layout_ok(w2))):
-        return False
-    # Shared memory as compiled for sm_90 (Triton 3.9 here; _rows_gemm_ws's estimate for a
-    # 16-bit output): the stages' A and W tiles, bm x bn bytes of epilogue scratch and ~1-2 KB
-    # of barriers (115288 bytes for 128x128x64 with 3 stages, 180824 for 128x256x64 with 3,
-    # 229992 with 4); a config the compiler still rejects falls back through launch_ws.
-    if stages * (bm + bn) * bk * es + bm * bn + 2048 > SMEM_LIMIT:
-        return False
-    n_parts = cdiv(I, bn)
-    ds_part = torch.empty(n_parts, al.max_rows, dtype=torch.float32, device=gos.device)
-    n_tiles = (al.max_rows // bm) * n_parts
-    programs = max(1, min(num_programs(gos.device), n_tiles))
-    ran = launch_ws(
-        da_swiglu_ws_kernel, gos.device, (programs,), (bm, bn, bk, stages, gos.dtype),
-        gos, w2, z, topk_weights, al.sorted_slots, al.block_expert, al.num_rows, dz, sa, ds_part,
-        n_slots, I, H, top_k, al.max_rows, E,
-        gos.stride(0), z.stride(0), topk_weights.stride(0), topk_weights.stride(1),
-        dz.stride(0), sa.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=programs,
-        DOT_PRECISION=_dot_precision(gos.dtype), num_warps=4, num_stages=stages,
-    )
-    if ran:
-        block_r = 128
-        kernel_for(ds_reduce_kernel, gos.device)[(cdiv(al.max_rows, block_r),)](
-            ds_part, al.sorted_slots, al.num_rows, dweights, n_parts, al.max_rows, n_slots,
-            top_k, dweights.stride(0), dweights.stride(1), BLOCK_R=block_r, num_warps=4,
-        )
-    return ran
 
 
 def gather_rows_triton(src, al, n_slots, top_k):

@@ -250,7 +250,6 @@ class BackwardConfig:
     wg_stages: int = 0    # pipeline stages of the persistent weight-gradient loop (0: num_stages)
     wg_ws: bool = False   # persistent weight gradients warp-specialised (sm_90, 16-bit, M % wg_m == 0)
     rows_ws: bool = False  # dA and dx GEMMs: the forward's warp-specialised row GEMM (down_ws)
-    fused_da: bool = False  # dA with the elementwise pass as its epilogue (warp-specialised)
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,

@@ -26,9 +26,25 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = N
     than the result (see `grad_errors`)."""
     out, ref = out.double(), ref.double()
     assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert not torch.isnan(out).any(), "output holds NaN (unwritten or poisoned elements)"
+    assert not torch.isnan(out).any(), \
+        f"output holds NaN (unwritten or poisoned elements): {nan_summary(out)}"
     denom = (ref if scale is None else scale.double()).norm().item()
     return (out - ref).norm().item() / max(denom, 1e-30)
+
+
+def nan_summary(t: torch.Tensor) -> str:
+    """Where a tensor's NaNs are: their count, and per dimension how many indices hold one and
+    the first few (unwritten output tiles show as whole blocks of rows/columns/experts)."""
+    m = torch.isnan(t)
+    n = int(m.sum())
+    if n == 0 or t.dim() == 0:
+        return f"{n} NaN"
+    parts = []
+    for d in range(t.dim()):
+        other = [i for i in range(t.dim()) if i != d]
+        hit = torch.nonzero(m.any(dim=other) if other else m).flatten()
+        parts.append(f"dim {d}: {hit.numel()}/{t.shape[d]} indices, first {hit[:6].tolist()}")
+    return f"{n} NaN of {t.numel()} in shape {tuple(t.shape)}; " + "; ".join(parts)
 
 
 def ds_scale(grad_out, hidden, w13, w2, topk_weights, topk_ids):

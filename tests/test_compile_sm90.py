@@ -43,12 +43,14 @@ def _compile_all(cc, launches):
 
 @pytest.mark.parametrize("name,T", [(n, T) for T in (1, 2048) for n in SHAPES]
                          + [("mixtral_8x7b", 8192)])
-def test_heuristic_configs_compile(compile_check, name, T):
+def test_heuristic_configs_compile(compile_check, name, T, monkeypatch):
     """Forward and backward of the heuristic's bf16 config: every kernel compiles; at 128-row
     blocks the gate+up and down GEMMs issue wgmma and take their weight tiles by TMA (the down
     GEMM warp-specialised where the config says so: a producer warp group and two consumer
     groups, 12 warps), and the weight gradients run the warp-specialised persistent kernel
     (wgmma, TMA copies, 12 warps)."""
+    # the warp-specialised kernels are opt-in (MOE_OPS_WARP_SPECIALIZE): compile them too
+    monkeypatch.setenv("MOE_OPS_WARP_SPECIALIZE", "1")
     H, I, E, K = SHAPES[name]
     cfg = heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16)
     launches = compile_check.forward_launches((H, I, E, K), 1 if cfg.direct else 16, cfg,

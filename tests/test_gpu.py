@@ -425,11 +425,11 @@ def test_warp_specialised_kernels_repeat_bitwise():
     T = 8192
     args = _inputs("qwen3_30b_a3b", T, torch.bfloat16, routing="skewed", seed=29)
     H, I, E, K = SHAPES["qwen3_30b_a3b"]
-    cfg = heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16)
-    assert cfg.down_ws
+    # (the warp-specialised kernels are opt-in: MOE_OPS_WARP_SPECIALIZE, NOTES.md entry 27)
+    cfg = dataclasses.replace(heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16),
+                              down_ws=True)
     bc = backward_config(cfg, "cuda", torch.bfloat16, rows_per_expert=T * K / E)
-    assert bc.wg_ws
-    bc = dataclasses.replace(bc, rows_ws=True, da_n=128)
+    bc = dataclasses.replace(bc, wg_ws=True, wg_n=256, wg_stages=3, rows_ws=True, da_n=128)
     go = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     first = None
     for _ in range(20):

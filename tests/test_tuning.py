@@ -121,6 +121,40 @@ def test_dispatch_config_prefers_the_table_on_cuda(tmp_path, monkeypatch):
         heuristic_config(64, 64, 8, 2048, 768, "cuda", torch.bfloat16)
 
 
+def test_warp_specialised_kernels_are_opt_in(monkeypatch, tmp_path):
+    """The heuristics and tuned tables choose the warp-specialised kernels only with
+    MOE_OPS_WARP_SPECIALIZE=1 (NOTES.md entry 27); an explicit config is used as given."""
+    import dataclasses
+
+    from moe_ops.tuning.heuristics import backward_config
+
+    shape = (8192, 128, 8, 2048, 768, "cuda", torch.bfloat16)   # Qwen3, 512 rows per expert
+    bf = torch.bfloat16
+
+    def chosen():
+        cfg = heuristic_config(*shape)
+        bc = backward_config(cfg, "cuda", bf, rows_per_expert=512, inter_size=768)
+        return cfg.down_ws, bc.wg_ws, bc.rows_ws
+
+    monkeypatch.delenv("MOE_OPS_WARP_SPECIALIZE", raising=False)
+    assert chosen() == (False, False, False)
+    monkeypatch.setenv("MOE_OPS_WARP_SPECIALIZE", "1")
+    assert chosen() == (True, True, True)
+    # a tuned table's down_ws is dropped while the switch is off
+    ws_cfg = dataclasses.replace(heuristic_config(*shape), down_ws=True)
+    monkeypatch.setattr(heuristics, "_device_name", lambda: "Fake GPU")
+    monkeypatch.setenv("MOE_OPS_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(tables, "lookup", lambda *a: ws_cfg)
+    heuristics.clear_config_cache()
+    try:
+        assert dispatch_config(*shape).down_ws
+        monkeypatch.setenv("MOE_OPS_WARP_SPECIALIZE", "0")
+        heuristics.clear_config_cache()
+        assert dispatch_config(*shape) == dataclasses.replace(ws_cfg, down_ws=False)
+    finally:
+        heuristics.clear_config_cache()
+
+
 def test_heuristic_block_m_follows_rows_per_expert():
     ms = [heuristic_config(T, 128, 8, 2048, 768, "cuda", torch.bfloat16).block_m
           for T in (1, 128, 256, 512, 1024, 8192)]

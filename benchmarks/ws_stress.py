@@ -1,0 +1,169 @@
+"""Stress test of the warp-specialised kernels on a shared GPU (not part of the test suite).
+
+benchmarks/NOTES.md entry 27: with three pytest processes sharing the H200, the backward's
+warp-specialised kernels (weight_grad_ws_kernel, rows_gemm_ws_kernel) twice wrote outputs that
+held NaN (a few stale rows read), while the same cases alone, repeated 20 times on poisoned
+memory, never did. This script tries to reproduce that on purpose and to tell the two readings
+apart: it starts --procs worker processes (each its own CUDA context on the same GPU), each
+running one case's backward in a loop for --seconds on poisoned memory with the WS kernels on
+or off (explicit configs, whatever MOE_OPS_WARP_SPECIALIZE says), and optionally --noise
+processes that run matmuls of changing sizes and allocations. Each worker counts its runs, the
+runs with a NaN in any gradient, and the runs not bitwise equal to its first.
+
+    PYTHONPATH=. python benchmarks/ws_stress.py --case large_offsets --procs 3 --noise 1 --ws on
+    PYTHONPATH=. python benchmarks/ws_stress.py ... --scratch fresh   # no scratch address reused
+
+--scratch fresh gives every launch a Triton scratch buffer (where the kernels write their
+tensor descriptors) that stays allocated for the rest of the run's last 4096 launches, so no
+descriptor is written where an earlier launch's was: if the NaN goes away with it, stale
+descriptors are the cause; if not, a synchronisation race in the kernels is more likely.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+CASES = {   # name: (T, H, I, E, K), the two failing GPU tests' shapes and Qwen3 T=8192
+    "large_offsets": (40000, 7168, 128, 8, 8),
+    "deepseek64": (2048, 7168, 2048, 64, 8),
+    "qwen3": (8192, 2048, 768, 128, 8),
+}
+
+
+def _poison(nbytes=1 << 30):
+    torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
+
+
+def _fresh_scratch_allocator(keep=4096):
+    import triton
+
+    alive = collections.deque(maxlen=keep)
+
+    def alloc(size, alignment, stream):
+        buf = torch.empty(size, dtype=torch.int8, device="cuda")   # 512-byte aligned
+        alive.append(buf)
+        return buf
+
+    triton.set_allocator(alloc)
+
+
+def worker(case: str, seconds: float, ws: bool, scratch: str, path: str, seed: int) -> dict:
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+    from moe_ops.ops.samples import make_dispatch_inputs
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    if scratch == "fresh":
+        _fresh_scratch_allocator()
+    T, H, I, E, K = CASES[case]
+    dt = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    args = make_dispatch_inputs(T, H, I, E, K, dtype=dt, device="cuda", generator=g,
+                                weight_std=0.02)
+    go = torch.randn(T, H, device="cuda", dtype=dt, generator=g)
+    cfg = dispatch_config(T, E, K, H, I, "cuda", dt)
+    bc = backward_config(cfg, "cuda", dt, rows_per_expert=T * K / E, inter_size=I)
+    if ws:
+        cfg = dataclasses.replace(cfg, down_ws=cfg.block_m == 128)
+        bc = dataclasses.replace(bc, wg_ws=True, wg_n=256, wg_stages=3, rows_ws=True, da_n=128)
+    else:
+        cfg = dataclasses.replace(cfg, down_ws=False)
+        bc = dataclasses.replace(bc, wg_ws=False, rows_ws=False)
+    runs = nan_runs = differ = 0
+    first = None
+    where = []
+    t_end = time.time() + seconds
+    while time.time() < t_end:
+        z = None
+        if path == "saved":
+            _poison()
+            _, z = dispatch_triton(*args, config=cfg, save_z=True)
+        _poison()
+        got = dispatch_backward_triton(go, *args, z=z, config=cfg, bwd_config=bc)
+        nan = [int(torch.isnan(t).sum()) for t in got]
+        runs += 1
+        if any(nan):
+            nan_runs += 1
+            if len(where) < 5:
+                where.append(nan)
+        if first is None:
+            first = [t.clone() for t in got]
+        elif not all(torch.equal(a, b) for a, b in zip(first, got)):
+            differ += 1
+        del got, z
+    return dict(case=case, ws=ws, scratch=scratch, path=path, runs=runs, nan_runs=nan_runs,
+                differ=differ, nan_counts=where)
+
+
+def noise(seconds: float) -> None:
+    """Another CUDA context keeping the GPU busy with changing work (as other tests do)."""
+    sizes = [1024, 3072, 8192, 5000]
+    t_end = time.time() + seconds
+    i = 0
+    while time.time() < t_end:
+        n = sizes[i % len(sizes)]
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        (a @ a).sum().item()
+        torch.empty(1 << 26, device="cuda").fill_(float("nan"))
+        i += 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", choices=list(CASES), default="large_offsets")
+    p.add_argument("--procs", type=int, default=3, help="worker processes (separate contexts)")
+    p.add_argument("--noise", type=int, default=1, help="extra processes running other work")
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--ws", choices=["on", "off"], default="on")
+    p.add_argument("--scratch", choices=["torch", "fresh"], default="torch")
+    p.add_argument("--path", choices=["saved", "recompute"], default="saved")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--noise-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=14, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        print(json.dumps(worker(a.case, a.seconds, a.ws == "on", a.scratch, a.path, a.seed)))
+        return 0
+    if a.noise_worker:
+        noise(a.seconds)
+        return 0
+    if not torch.cuda.is_available():
+        print("ws_stress.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    base = [sys.executable, __file__, "--case", a.case, "--seconds", str(a.seconds),
+            "--ws", a.ws, "--scratch", a.scratch, "--path", a.path]
+    noisy = [subprocess.Popen([sys.executable, __file__, "--noise-worker", "--seconds",
+                               str(a.seconds + 30)]) for _ in range(a.noise)]
+    workers = [subprocess.Popen(base + ["--worker", "--seed", str(14 + i)],
+                                stdout=subprocess.PIPE, text=True) for i in range(a.procs)]
+    results = []
+    for w in workers:
+        out, _ = w.communicate()
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        results.append(json.loads(lines[-1]) if lines else {"error": f"exit {w.returncode}"})
+    for n in noisy:
+        n.kill()
+    print(f"case {a.case}, WS {a.ws}, scratch {a.scratch}, z {a.path}, {a.procs} workers + "
+          f"{a.noise} noise, {a.seconds:.0f} s")
+    bad = 0
+    for i, r in enumerate(results):
+        if "error" in r:
+            print(f"  worker {i}: {r['error']}")
+            bad += 1
+            continue
+        print(f"  worker {i}: {r['runs']} runs, {r['nan_runs']} with NaN, {r['differ']} not "
+              f"bitwise equal to the first; NaN counts (dx, dw13, dw2, ds) {r['nan_counts']}")
+        bad += r["nan_runs"] + r["differ"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Where the time of one training step of moe.dispatch goes (not part of the test suite).
+
+benchmarks/NOTES.md entry 27: on Mixtral T=32768 the two ops' kernels timed apart
+(sweep_backward.py: forward with z 36.1 ms + backward 76.2 ms) sum to ~10 ms less than
+bench_train.py's autograd step (122.1 ms at eced948). For each cell this prints the step as
+bench_train times it (leaves' .grad set to None, forward under autograd, backward), the
+forward (moe.dispatch_train) and the backward (moe.dispatch_backward_saved) timed alone, and
+every CUDA kernel of the step with its time per step (torch.profiler), so that what is
+neither op's kernel (gradient accumulation, copies, fills) and the gaps between kernels show.
+
+    PYTHONPATH=. python benchmarks/profile_train_step.py --cells mixtral_8x7b:32768 qwen3_30b_a3b:8192
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cells", nargs="+", default=["mixtral_8x7b:32768", "qwen3_30b_a3b:8192"],
+                   help="shape:T as in moe_ops.bench")
+    p.add_argument("--top", type=int, default=16, help="kernels listed per cell")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_train_step.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    from moe_ops import bench
+
+    dev = torch.device("cuda")
+    dt = torch.bfloat16
+    rows = []
+    for cell in a.cells:
+        c = bench.cell_inputs(cell, dev, dt)
+        hidden = c.hidden.detach().clone().requires_grad_(True)
+        w13 = c.weights.w13.detach().requires_grad_(True)
+        w2 = c.weights.w2.detach().requires_grad_(True)
+        tw = c.topk_weights.detach().float().clone().requires_grad_(True)   # as bench_train
+        ids = c.topk_ids.to(torch.int32)
+        go = torch.randn_like(c.hidden)
+        leaves = [hidden, w13, w2, tw]
+
+        def step():
+            for t in leaves:
+                t.grad = None
+            torch.ops.moe.dispatch(hidden, w13, w2, tw, ids).backward(go)
+
+        with torch.no_grad():
+            args = (hidden.detach(), w13.detach(), w2.detach(), tw.detach(), ids)
+            _, z = torch.ops.moe.dispatch_train(*args)
+            fwd = lambda: torch.ops.moe.dispatch_train(*args)   # noqa: E731
+            bwd = lambda: torch.ops.moe.dispatch_backward_saved(go, z, *args)   # noqa: E731
+            t_f = triton.testing.do_bench(fwd)
+            t_b = triton.testing.do_bench(bwd)
+        step()
+        t_s = triton.testing.do_bench(step)
+        kt = bench.kernel_times_us(step, n=3, name_len=40)
+        total = sum(kt.values()) / 1000.0
+        print(f"\n== {cell}: step {t_s:.2f} ms | forward alone {t_f:.2f} + backward alone "
+              f"{t_b:.2f} = {t_f + t_b:.2f} ms | kernels in the step {total:.2f} ms "
+              f"(step - kernels = {t_s - total:.2f} ms of gaps)")
+        for name, us in list(kt.items())[:a.top]:
+            print(f"   {us / 1000.0:9.3f} ms  {name}")
+        rows.append((cell, t_s, t_f, t_b, total))
+        hidden = w13 = w2 = tw = go = z = c = leaves = None   # free before the next cell
+        torch.cuda.empty_cache()
+    print("\ncell                   step ms  fwd ms  bwd ms  fwd+bwd  kernels  step-kernels")
+    for cell, t_s, t_f, t_b, total in rows:
+        print(f"{cell:<22} {t_s:8.2f} {t_f:7.2f} {t_b:7.2f} {t_f + t_b:8.2f} {total:8.2f} "
+              f"{t_s - total:12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device-machine session: GPU tests and/or benchmarks. Logs and tables go to ${OUT:-.}.
-#   MOE_OPS_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_gpu.sh [tests|bench|all]
+#   MOE_OPS_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_gpu.sh [tests|bench|all|stress]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-.}
@@ -26,6 +26,14 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
   run_group rest tests --ignore=tests/test_gpu.py &
   wait
   grep -h "^FAILED\|^ERROR" "$out"/gpu_tests_*.log | head -20
+fi
+if [ "$stage" = stress ]; then
+  # The warp-specialised kernels under a shared GPU (NOTES.md entry 27): WS on, WS off, and WS on
+  # with a descriptor scratch that is never reused; each ${STRESS_SECONDS:-60} s.
+  for v in "--ws on" "--ws off" "--ws on --scratch fresh"; do
+    timeout $(( ${STRESS_SECONDS:-60} + 120 )) python3 benchmarks/ws_stress.py --case "${STRESS_CASE:-large_offsets}" \
+      --procs 3 --noise 1 --seconds "${STRESS_SECONDS:-60}" $v 2>&1 | tee -a "$out/ws_stress.log" | tail -5
+  done
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   PLOT=""

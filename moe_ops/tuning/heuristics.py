@@ -56,9 +56,10 @@ def _cached_config(T, E, K, H, I, device_type, dtype, device_name, tuning_dir) -
 def warp_specialize_enabled() -> bool:
     """Whether the heuristics (and tuned tables) may choose the warp-specialised kernels
     (DispatchConfig.down_ws, BackwardConfig.wg_ws / rows_ws). Off unless MOE_OPS_WARP_SPECIALIZE=1:
-    on the H200 (Triton 3.6) their outputs held NaN (unread, stale memory) in two GPU-test runs
-    whose three test processes shared the GPU, and never in the same tests alone or in 20-run
-    repeats (benchmarks/NOTES.md, entry 27): until that is understood they are opt-in. Read
+    on the H200 (Triton 3.6) their outputs held NaN in two GPU-test runs whose three test
+    processes shared the GPU, and never in the same tests alone or in 20-run repeats
+    (benchmarks/NOTES.md, entry 27; cause not established): until it is understood they are
+    opt-in. Read
     when a config is first made (configs are memoised: clear_config_cache after changing it).
     A config passed explicitly is used as given."""
     return os.environ.get("MOE_OPS_WARP_SPECIALIZE", "0") == "1"

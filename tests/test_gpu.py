@@ -412,7 +412,7 @@ def test_rows_gemm_ws_matches_per_tile(name, routing):
     torch.cuda.empty_cache()
 
 
-def test_warp_specialised_kernels_repeat_bitwise():
+def test_warp_specialised_kernels_repeat_bitwise(monkeypatch):
     """Warp-specialised kernels synchronise producer and consumer warp groups through shared
     memory barriers: a race would show as run-to-run differences (a Triton 3.6 miscompile at
     5 stages left whole tiles unwritten, NOTES.md entry 24). Twenty runs of each, bitwise equal,
@@ -426,10 +426,12 @@ def test_warp_specialised_kernels_repeat_bitwise():
     args = _inputs("qwen3_30b_a3b", T, torch.bfloat16, routing="skewed", seed=29)
     H, I, E, K = SHAPES["qwen3_30b_a3b"]
     # (the warp-specialised kernels are opt-in: MOE_OPS_WARP_SPECIALIZE, NOTES.md entry 27)
-    cfg = dataclasses.replace(heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16),
-                              down_ws=True)
+    monkeypatch.setenv("MOE_OPS_WARP_SPECIALIZE", "1")
+    cfg = heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16)
+    assert cfg.down_ws
     bc = backward_config(cfg, "cuda", torch.bfloat16, rows_per_expert=T * K / E)
-    bc = dataclasses.replace(bc, wg_ws=True, wg_n=256, wg_stages=3, rows_ws=True, da_n=128)
+    assert bc.wg_ws
+    bc = dataclasses.replace(bc, rows_ws=True, da_n=128)
     go = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     first = None
     for _ in range(20):

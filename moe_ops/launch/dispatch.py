@@ -161,8 +161,8 @@ def _rows_gemm_ws(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, blo
                   num_stages, group_m, weights) -> bool:
     """rows_gemm_triton on rows_gemm_ws_kernel, if it applies: aligned rows of 64- or 128-row
     blocks (two consumer warp groups split a tile: fewer rows give no wgmma), 16-bit operands,
-    `a` and W in one of the kernel's two storage layouts with 16-byte aligned rows, K_red a multiple of block_k, a GPU with tensor
-    memory access (sm_90+) or the interpreter. At most 4 pipeline stages: at 5 (128x128x64
+    `a` and W in one of the kernel's two storage layouts with 16-byte aligned rows, K_red a
+    multiple of block_k, a GPU with tensor memory access (sm_90+) or the interpreter. At most 4 pipeline stages: at 5 (128x128x64
     tiles) Triton 3.6 compiles a kernel that leaves whole output tiles unwritten (measured on
     the H200, benchmarks/NOTES.md entry 24). A config this Triton fails to compile (shared
     memory, or its warp-specialisation pass) is declined (launch_ws). Returns whether it

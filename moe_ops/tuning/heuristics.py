@@ -59,9 +59,8 @@ def warp_specialize_enabled() -> bool:
     on the H200 (Triton 3.6) their outputs held NaN in two GPU-test runs whose three test
     processes shared the GPU, and never in the same tests alone or in 20-run repeats
     (benchmarks/NOTES.md, entry 27; cause not established): until it is understood they are
-    opt-in. Read
-    when a config is first made (configs are memoised: clear_config_cache after changing it).
-    A config passed explicitly is used as given."""
+    opt-in. Read when a config is first made (configs are memoised: clear_config_cache after
+    changing it). A config passed explicitly is used as given."""
     return os.environ.get("MOE_OPS_WARP_SPECIALIZE", "0") == "1"
 
 

@@ -21,10 +21,13 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
       > "$out/gpu_tests_$name.log" 2>&1
     echo "[$name] rc=$? $(tail -1 "$out/gpu_tests_$name.log")"
   }
-  run_group forward tests/test_gpu.py -k "not backward" &
+  run_group forward tests/test_gpu.py -k "not backward and not warp_specialised_kernels_repeat" &
   run_group backward tests/test_gpu.py -k backward &
   run_group rest tests --ignore=tests/test_gpu.py &
   wait
+  # the opt-in warp-specialised kernels fail beside another GPU process (NOTES.md entry 28):
+  # their test runs by itself
+  run_group ws_alone tests/test_gpu.py -k warp_specialised_kernels_repeat
   grep -h "^FAILED\|^ERROR" "$out"/gpu_tests_*.log | head -20
 fi
 if [ "$stage" = stress ]; then

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import subprocess
@@ -54,7 +55,8 @@ def _fresh_scratch_allocator(keep=4096):
     triton.set_allocator(alloc)
 
 
-def worker(case: str, seconds: float, ws: bool, scratch: str, path: str, seed: int) -> dict:
+def worker(case: str, seconds: float, ws: bool, scratch: str, path: str, seed: int,
+           fwd_ws: bool = True) -> dict:
     from moe_ops.launch.dispatch import dispatch_triton
     from moe_ops.launch.dispatch_backward import dispatch_backward_triton
     from moe_ops.ops.samples import make_dispatch_inputs
@@ -62,6 +64,12 @@ def worker(case: str, seconds: float, ws: bool, scratch: str, path: str, seed: i
 
     if scratch == "fresh":
         _fresh_scratch_allocator()
+    if os.environ.get("WS_STRESS_NO_WS_PASS") == "1":   # the same kernels, not warp-specialised
+        import moe_ops.launch.dispatch as ld
+        import moe_ops.launch.dispatch_backward as ldb
+
+        orig = ld.launch_ws
+        ld.launch_ws = ldb.launch_ws = lambda *a, **kw: orig(*a, WARP_SPECIALIZE=False, **kw)
     # the heuristics' own choice with the kernels allowed or not (the failing tests' configs)
     os.environ["MOE_OPS_WARP_SPECIALIZE"] = "1" if ws else "0"
     T, H, I, E, K = CASES[case]
@@ -72,6 +80,7 @@ def worker(case: str, seconds: float, ws: bool, scratch: str, path: str, seed: i
     go = torch.randn(T, H, device="cuda", dtype=dt, generator=g)
     cfg = dispatch_config(T, E, K, H, I, "cuda", dt)
     bc = backward_config(cfg, "cuda", dt, rows_per_expert=T * K / E, inter_size=I)
+    fcfg = cfg if fwd_ws else dataclasses.replace(cfg, down_ws=False)
     runs = nan_runs = differ = 0
     first = None
     where = []
@@ -80,7 +89,7 @@ def worker(case: str, seconds: float, ws: bool, scratch: str, path: str, seed: i
         z = None
         if path == "saved":
             _poison()
-            _, z = dispatch_triton(*args, config=cfg, save_z=True)
+            _, z = dispatch_triton(*args, config=fcfg, save_z=True)
         _poison()
         got = dispatch_backward_triton(go, *args, z=z, config=cfg, bwd_config=bc)
         nan = [int(torch.isnan(t).sum()) for t in got]
@@ -120,6 +129,8 @@ def main(argv=None) -> int:
     p.add_argument("--noise", type=int, default=1, help="extra processes running other work")
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--ws", choices=["on", "off"], default="on")
+    p.add_argument("--fwd-ws", choices=["on", "off"], default="on",
+                   help="off: the training forward without its WS down GEMM (--path saved)")
     p.add_argument("--scratch", choices=["torch", "fresh"], default="torch")
     p.add_argument("--path", choices=["saved", "recompute"], default="saved")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -127,7 +138,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=14, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        print(json.dumps(worker(a.case, a.seconds, a.ws == "on", a.scratch, a.path, a.seed)))
+        print(json.dumps(worker(a.case, a.seconds, a.ws == "on", a.scratch, a.path, a.seed,
+                                      a.fwd_ws == "on")))
         return 0
     if a.noise_worker:
         noise(a.seconds)
@@ -136,7 +148,7 @@ def main(argv=None) -> int:
         print("ws_stress.py needs a CUDA GPU", file=sys.stderr)
         return 2
     base = [sys.executable, __file__, "--case", a.case, "--seconds", str(a.seconds),
-            "--ws", a.ws, "--scratch", a.scratch, "--path", a.path]
+            "--ws", a.ws, "--scratch", a.scratch, "--path", a.path, "--fwd-ws", a.fwd_ws]
     noisy = [subprocess.Popen([sys.executable, __file__, "--noise-worker", "--seconds",
                                str(a.seconds + 30)]) for _ in range(a.noise)]
     workers = [subprocess.Popen(base + ["--worker", "--seed", str(14 + i)],
@@ -148,7 +160,7 @@ def main(argv=None) -> int:
         results.append(json.loads(lines[-1]) if lines else {"error": f"exit {w.returncode}"})
     for n in noisy:
         n.kill()
-    print(f"case {a.case}, WS {a.ws}, scratch {a.scratch}, z {a.path}, {a.procs} workers + "
+    print(f"case {a.case}, WS {a.ws} (forward {a.fwd_ws}), scratch {a.scratch}, z {a.path}, {a.procs} workers + "
           f"{a.noise} noise, {a.seconds:.0f} s")
     bad = 0
     for i, r in enumerate(results):

@@ -1,5 +1,6 @@
 """Dispatch configuration: heuristic, tuned tables (format pinned), nearest-T lookup, tune CLI."""
 import json
+import warnings
 
 import pytest
 import torch
@@ -123,7 +124,8 @@ def test_dispatch_config_prefers_the_table_on_cuda(tmp_path, monkeypatch):
 
 def test_warp_specialised_kernels_are_opt_in(monkeypatch, tmp_path):
     """The heuristics and tuned tables choose the warp-specialised kernels only with
-    MOE_OPS_WARP_SPECIALIZE=1 (NOTES.md entry 27); an explicit config is used as given."""
+    MOE_OPS_WARP_SPECIALIZE=1 (NOTES.md entries 27-28), which warns once; an explicit config is
+    used as given."""
     import dataclasses
 
     from moe_ops.tuning.heuristics import backward_config
@@ -139,7 +141,12 @@ def test_warp_specialised_kernels_are_opt_in(monkeypatch, tmp_path):
     monkeypatch.delenv("MOE_OPS_WARP_SPECIALIZE", raising=False)
     assert chosen() == (False, False, False)
     monkeypatch.setenv("MOE_OPS_WARP_SPECIALIZE", "1")
-    assert chosen() == (True, True, True)
+    monkeypatch.setattr(heuristics, "_ws_warned", False)
+    with pytest.warns(RuntimeWarning, match="another process uses the same GPU"):
+        assert chosen() == (True, True, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # once per process
+        assert chosen() == (True, True, True)
     # a tuned table's down_ws is dropped while the switch is off
     ws_cfg = dataclasses.replace(heuristic_config(*shape), down_ws=True)
     monkeypatch.setattr(heuristics, "_device_name", lambda: "Fake GPU")

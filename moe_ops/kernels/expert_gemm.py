@@ -412,7 +412,7 @@ def rows_gemm_ws_kernel(
     stride_am, stride_tw_t, stride_tw_k, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, W_LAYOUT: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = True,
 ):
     """down_kernel's y[slot] = (weight[slot] *) a[row] @ W_e^T in a persistent, warp-specialised
     kernel (Hopper: one producer warp group issuing the tensor-memory copies of A and W tiles,
@@ -436,7 +436,7 @@ def rows_gemm_ws_kernel(
                                            strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N])
     n_blocks = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
     n_tiles = n_blocks * tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(pid, n_tiles, NUM_PROGRAMS, warp_specialize=True):
+    for tile in tl.range(pid, n_tiles, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = grouped_tile(tile, n_blocks, N, BLOCK_N, GROUP_M)
         e = tl.load(block_expert_ptr + pid_m)
         n0 = pid_n * BLOCK_N

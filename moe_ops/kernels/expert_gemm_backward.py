@@ -203,7 +203,7 @@ def weight_grad_persistent_kernel(
 def weight_grad_ws_kernel(
     l_ptr, r_ptr, o_ptr, expert_ends_ptr, M, N, E, n_rows, stride_lr, stride_rr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = True,
 ):
     """weight_grad_kernel's sums (the same rows in the same order, the same tile shape, so the
     same float32 sums) in a persistent, warp-specialised kernel: on Hopper Triton splits the tile
@@ -225,7 +225,7 @@ def weight_grad_ws_kernel(
                                        block_shape=[BLOCK_M, BLOCK_N])
     n_n = tl.cdiv(N, BLOCK_N)
     per_e = (M // BLOCK_M) * n_n
-    for tile in tl.range(pid, E * per_e, NUM_PROGRAMS, warp_specialize=True):
+    for tile in tl.range(pid, E * per_e, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE):
         e = tile // per_e
         rem = tile - e * per_e
         m0 = (rem // n_n) * BLOCK_M

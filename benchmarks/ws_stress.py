@@ -17,6 +17,10 @@ runs with a NaN in any gradient, and the runs not bitwise equal to its first.
 tensor descriptors) that stays allocated for the rest of the run's last 4096 launches, so no
 descriptor is written where an earlier launch's was: if the NaN goes away with it, stale
 descriptors are the cause; if not, a synchronisation race in the kernels is more likely.
+
+Result on the H200 (NOTES.md entry 28): NaN in every run with WS on beside any other process
+(fresh scratch included), none alone, none with WS_STRESS_NO_WS_PASS=1 (the same kernels
+compiled without Triton's warp-specialisation pass) or with WS off.
 """
 from __future__ import annotations
 

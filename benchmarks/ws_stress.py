@@ -17,6 +17,11 @@ runs with a NaN in any gradient, and the runs not bitwise equal to its first.
 tensor descriptors) that stays allocated for the rest of the run's last 4096 launches, so no
 descriptor is written where an earlier launch's was: if the NaN goes away with it, stale
 descriptors are the cause; if not, a synchronisation race in the kernels is more likely.
+Environment knobs (NOTES.md entry 28's next experiments): WS_STRESS_NO_WS_PASS=1 (the WS kernels
+compiled without the warp-specialisation pass), WS_STRESS_MAXNREG=N (Triton's maxnreg for them:
+it decides the register reallocation between warp groups), WS_STRESS_FWD / WS_STRESS_BWD =
+"field=int,..." (DispatchConfig / BackwardConfig fields replaced, e.g. "wg_n=128,dx_n=128" for
+tiles that compile at maxnreg 128, "wg_m=64" for one consumer warp group).
 
 Result on the H200 (NOTES.md entry 28): NaN in every run with WS on beside any other process
 (fresh scratch included), none alone, none with WS_STRESS_NO_WS_PASS=1 (the same kernels
@@ -59,6 +64,15 @@ def _fresh_scratch_allocator(keep=4096):
     triton.set_allocator(alloc)
 
 
+def _fields(spec: str) -> dict:
+    out = {}
+    for item in filter(None, spec.split(",")):
+        key, value = item.split("=")
+        out[key.strip()] = {"True": True, "False": False}.get(value.strip()) \
+            if value.strip() in ("True", "False") else int(value)
+    return out
+
+
 def worker(case: str, seconds: float, ws: bool, scratch: str, path: str, seed: int,
            fwd_ws: bool = True) -> dict:
     from moe_ops.launch.dispatch import dispatch_triton
@@ -68,12 +82,17 @@ def worker(case: str, seconds: float, ws: bool, scratch: str, path: str, seed: i
 
     if scratch == "fresh":
         _fresh_scratch_allocator()
+    extra = {}   # extra launch arguments of the WS kernels
     if os.environ.get("WS_STRESS_NO_WS_PASS") == "1":   # the same kernels, not warp-specialised
+        extra["WARP_SPECIALIZE"] = False
+    if os.environ.get("WS_STRESS_MAXNREG"):   # Triton's maxnreg: decides register reallocation
+        extra["maxnreg"] = int(os.environ["WS_STRESS_MAXNREG"])
+    if extra:
         import moe_ops.launch.dispatch as ld
         import moe_ops.launch.dispatch_backward as ldb
 
         orig = ld.launch_ws
-        ld.launch_ws = ldb.launch_ws = lambda *a, **kw: orig(*a, WARP_SPECIALIZE=False, **kw)
+        ld.launch_ws = ldb.launch_ws = lambda *a, **kw: orig(*a, **extra, **kw)
     # the heuristics' own choice with the kernels allowed or not (the failing tests' configs)
     os.environ["MOE_OPS_WARP_SPECIALIZE"] = "1" if ws else "0"
     T, H, I, E, K = CASES[case]
@@ -84,6 +103,9 @@ def worker(case: str, seconds: float, ws: bool, scratch: str, path: str, seed: i
     go = torch.randn(T, H, device="cuda", dtype=dt, generator=g)
     cfg = dispatch_config(T, E, K, H, I, "cuda", dt)
     bc = backward_config(cfg, "cuda", dt, rows_per_expert=T * K / E, inter_size=I)
+    # WS_STRESS_FWD / WS_STRESS_BWD="field=int,...": config fields replaced (e.g. wg_n=128)
+    cfg = dataclasses.replace(cfg, **_fields(os.environ.get("WS_STRESS_FWD", "")))
+    bc = dataclasses.replace(bc, **_fields(os.environ.get("WS_STRESS_BWD", "")))
     fcfg = cfg if fwd_ws else dataclasses.replace(cfg, down_ws=False)
     runs = nan_runs = differ = 0
     first = None
@@ -107,7 +129,8 @@ def worker(case: str, seconds: float, ws: bool, scratch: str, path: str, seed: i
         elif not all(torch.equal(a, b) for a, b in zip(first, got)):
             differ += 1
         del got, z
-    return dict(case=case, ws=ws, scratch=scratch, path=path, down_ws=cfg.down_ws,
+    return dict(case=case, ws=ws, scratch=scratch, path=path, down_ws=cfg.down_ws, extra=extra,
+                bwd=dataclasses.asdict(bc),
                 wg_ws=bc.wg_ws, rows_ws=bc.rows_ws, runs=runs, nan_runs=nan_runs,
                 differ=differ, nan_counts=where)
 
@@ -165,14 +188,18 @@ def main(argv=None) -> int:
     for n in noisy:
         n.kill()
     print(f"case {a.case}, WS {a.ws} (forward {a.fwd_ws}), scratch {a.scratch}, z {a.path}, {a.procs} workers + "
-          f"{a.noise} noise, {a.seconds:.0f} s")
+          f"{a.noise} noise, {a.seconds:.0f} s" + "".join(
+              f", {k}={os.environ[k]}" for k in ("WS_STRESS_NO_WS_PASS", "WS_STRESS_MAXNREG",
+                                                  "WS_STRESS_FWD", "WS_STRESS_BWD")
+              if os.environ.get(k)))
     bad = 0
     for i, r in enumerate(results):
         if "error" in r:
             print(f"  worker {i}: {r['error']}")
             bad += 1
             continue
-        print(f"  worker {i} (down_ws {r['down_ws']} wg_ws {r['wg_ws']} rows_ws {r['rows_ws']}): "
+        print(f"  worker {i} (down_ws {r['down_ws']} wg_ws {r['wg_ws']} rows_ws {r['rows_ws']}"
+              f"{', launch ' + str(r['extra']) if r['extra'] else ''}): "
               f"{r['runs']} runs, {r['nan_runs']} with NaN, {r['differ']} not "
               f"bitwise equal to the first; NaN counts (dx, dw13, dw2, ds) {r['nan_counts']}")
         bad += r["nan_runs"] + r["differ"]

@@ -424,7 +424,8 @@ def rows_gemm_ws_kernel(
     storage viewed as [E*N, K_red]; 2: [E, K_red, N] viewed as [E*K_red, N]. A tile's columns past
     K_red are zero-filled and the caller guarantees K_red % BLOCK_K == 0 for layout 2 (a W tile
     never reaches into the next expert's rows); layout 1's W rows past N feed output columns that
-    are never stored."""
+    are never stored. WARP_SPECIALIZE=False compiles the same loop
+    without the warp-specialisation pass (a diagnostic: benchmarks/ws_stress.py, NOTES.md 28)."""
     pid = tl.program_id(0)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[max_rows, K_red], strides=[stride_am, 1],
                                        block_shape=[BLOCK_M, BLOCK_K])

@@ -215,7 +215,8 @@ def weight_grad_ws_kernel(
     branch, and a 2-D output descriptor (a 3-D one fails): out is viewed as [E*M, N], so M %
     BLOCK_M == 0. (Storing the tile as two column halves, tl.split in the epilogue, fails
     Triton 3.6's warp-specialisation pass.) An expert without rows takes one step at row n_rows, past the end of L and R,
-    where the copies read zeros."""
+    where the copies read zeros. WARP_SPECIALIZE=False compiles the same loop
+    without the warp-specialisation pass (a diagnostic: benchmarks/ws_stress.py, NOTES.md 28)."""
     pid = tl.program_id(0)
     l_desc = tl.make_tensor_descriptor(l_ptr, shape=[n_rows, M], strides=[stride_lr, 1],
                                        block_shape=[BLOCK_K, BLOCK_M])

@@ -178,6 +178,26 @@ def test_opcheck_dispatch_backward_saved(reference_path, dtype, sample):
 
 
 @pytest.mark.parametrize("sample", [0, 2, 4, 5])
+def test_internal_ops_not_differentiable(reference_path, sample):
+    """moe.dispatch_train / dispatch_backward / dispatch_backward_saved have no derivative: an
+    Autograd kernel runs them below Autograd (opcheck with inputs that require grad: autograd
+    registration included), their outputs never require grad, and a double backward through
+    moe.dispatch fails with an error instead of PyTorch's autograd fallback."""
+    args, kw = dispatch_samples(requires_grad=True)[sample]
+    torch.library.opcheck(torch.ops.moe.dispatch_train.default, args, kw)
+    out, z = torch.ops.moe.dispatch_train(*args, **kw)
+    assert not out.requires_grad and not z.requires_grad
+    go = torch.randn(out.shape, dtype=out.dtype).requires_grad_(True)
+    torch.library.opcheck(torch.ops.moe.dispatch_backward_saved.default, (go, z, *args), kw)
+    torch.library.opcheck(torch.ops.moe.dispatch_backward.default, (go, *args), kw)
+    assert not any(g.requires_grad for g in torch.ops.moe.dispatch_backward(go, *args, **kw))
+    y = torch.ops.moe.dispatch(*args, **kw)
+    g, = torch.autograd.grad(y.sum(), args[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        torch.autograd.grad(g.sum(), args[0])
+
+
+@pytest.mark.parametrize("sample", [0, 2, 4, 5])
 def test_opcheck_dispatch_requires_grad(reference_path, mode, sample):
     args, kw = dispatch_samples(requires_grad=True)[sample]
     torch.library.opcheck(torch.ops.moe.dispatch.default, args, kw)
@@ -529,6 +549,39 @@ def test_backward_launcher_several_tiles(interpreter, monkeypatch, saved):
     for name, a, err in zip(NAMES, got, grad_errors(got, ref, go, args)):
         assert not a.isnan().any(), (seed, name)
         assert err <= 1e-5, (seed, name, err)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("T", [1, 13])
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_dispatch_train_z_zero_for_slots_without_an_expert(interpreter, monkeypatch, T, ids_dtype):
+    """moe.dispatch_train's z on the Triton path: rows of ids < 0 and >= E are zero (as the
+    reference's), not what the allocator left there (gate_up never writes them), so the op is
+    bitwise reproducible and passes opcheck with dropped slots; other rows match the float64
+    reference. NaN-filled allocations make an unwritten row show; ids in a strided view."""
+    seed = fresh_seed()
+    H, I, E, K = 24, 13, 5, 3
+    args, g = _inputs(T, H, I, E, K, routing="uniform", seed=seed, ids_dtype=ids_dtype)
+    h, w13, w2, w, ids = args
+    wide = torch.full((T, 2 * K), 7, dtype=ids_dtype)
+    wide[:, ::2] = ids
+    ids = wide[:, ::2]                       # non-contiguous ids
+    ids[0, 1] = -1
+    ids[-1, 0] = E if T > 1 else -(2 ** 31 if ids_dtype == torch.int32 else 2 ** 40)
+    if T > 1:
+        ids[T // 2, 2] = -7
+    args = (h, w13, w2, w, ids)
+    _poison_empty(monkeypatch)
+    z1 = torch.ops.moe.dispatch_train(*args)[1]
+    z2 = torch.ops.moe.dispatch_train(*args)[1]
+    assert torch.equal(z1, z2), seed
+    flat = ids.reshape(-1)
+    dropped = (flat < 0) | (flat >= E)
+    assert dropped.sum() >= 2
+    assert torch.equal(z1[dropped], torch.zeros_like(z1[dropped])), seed
+    ref = dispatch_z_reference(*_double(args[:2]), ids)
+    assert rel_err(z1[~dropped], ref[~dropped]) <= 1e-5, seed
+    torch.library.opcheck(torch.ops.moe.dispatch_train.default, args)
 
 
 @needs_interpreter

@@ -9,6 +9,8 @@ down_combine_one_token_kernel: T == 1 with direct rows: the down GEMM and the co
   (slot k's partial product in accumulator row k, the weighted sum over rows in the epilogue).
 combine_kernel: out[t] = sum over k in order 0..K-1 of y[t*K + k] for valid ids: deterministic,
   no atomics.
+zero_dropped_z_kernel: the training forward's z rows of slots without an expert (ids < 0 or
+  >= E), which gate_up never writes, set to zero.
 Row blocks at or past the device-side num_rows exit at once (the grid is sized from shapes).
 USE_PDL (programmatic dependent launch, launched with launch_pdl=True): the kernel may start while
 its predecessor is finishing; it waits for it (gdc_wait) before its first memory access and lets
@@ -321,6 +323,28 @@ def _combine_slot(acc, y_ptr, ids_ptr, toks, t_mask, offs_h, h_mask, k, E, strid
     y = tl.load(y_ptr + (toks * TOP_K + k)[:, None] * stride_ym + offs_h[None, :],
                 mask=valid[:, None] & h_mask[None, :], other=0.0)
     return acc + y.to(tl.float32)
+
+
+@triton.jit
+def zero_dropped_z_kernel(
+    z_ptr, ids_ptr, n_slots, n_cols, E, stride_z, stride_it, stride_ik,
+    TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """z[slot] = 0 for the slots whose id is < 0 or >= E: gate_up writes z only for slots with
+    an expert, so without this those rows of moe.dispatch_train's z would be whatever the
+    allocator left there (the reference has zeros; the backward never reads them). A block of
+    slots without such an id returns after loading its ids."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    in_range = rows < n_slots
+    ids = tl.load(ids_ptr + (rows // TOP_K) * stride_it + (rows % TOP_K) * stride_ik,
+                  mask=in_range, other=0)
+    dropped = in_range & ((ids < 0) | (ids >= E))
+    if tl.sum(dropped.to(tl.int32), axis=0) > 0:
+        zero = tl.zeros((BLOCK_R, BLOCK_C), dtype=z_ptr.dtype.element_ty)
+        for c0 in range(0, n_cols, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            tl.store(z_ptr + rows[:, None] * stride_z + cols[None, :], zero,
+                     mask=dropped[:, None] & (cols < n_cols)[None, :])
 
 
 @triton.jit

@@ -12,7 +12,7 @@ from triton.runtime.errors import OutOfResources
 
 from moe_ops._runtime import cdiv, ensure_triton_allocator, kernel_for, next_pow2
 from moe_ops.kernels.expert_gemm import (combine_kernel, down_combine_one_token_kernel, down_kernel,
-                                         gate_up_kernel, rows_gemm_ws_kernel)
+                                         gate_up_kernel, rows_gemm_ws_kernel, zero_dropped_z_kernel)
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.fast import launch_key, tensor_key
 from moe_ops.tuning.heuristics import dispatch_config
@@ -27,7 +27,8 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
                     out=None, save_z=False):
     """`out` (internal, for tests that poison outputs) must be a fresh [T, H] buffer.
     save_z (training): also return z = [g | u], the pre-activation per slot ([T*K, 2I], input
-    dtype; rows of ids < 0 unwritten) that dispatch_backward_triton(z=...) consumes."""
+    dtype; zero rows for ids < 0 or >= E, as the reference) that dispatch_backward_triton(z=...)
+    consumes."""
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
@@ -52,6 +53,8 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     if direct and cfg.fuse_combine and K <= cfg.block_m:
         gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl, key=key)
         down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key=key)
+        if save_z:
+            zero_dropped_z_triton(z, topk_ids, E, key=key)
         return (out, z) if save_z else out
     # One token, combine_last: the down kernel's last program per H tile does the combine, with
     # counters that this call's gate_up kernel zeroes (no combine launch).
@@ -70,7 +73,24 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
                      ws=cfg.down_ws)
     if counters is None:
         combine_triton(y, topk_ids, out, E, pdl=cfg.pdl, key=key)
+    if save_z:
+        zero_dropped_z_triton(z, topk_ids, E, key=key)
     return (out, z) if save_z else out
+
+
+def zero_dropped_z_triton(z, topk_ids, num_experts, key=None):
+    """z rows of the slots without an expert (ids < 0 or >= E) set to zero: one small launch
+    that reads the [T, K] ids and writes only those rows (moe.dispatch_train's z is then a
+    function of its inputs: bitwise reproducible, and equal to the reference's zeros there)."""
+    K = topk_ids.shape[1]
+    n_slots, n_cols = z.shape
+    block_r = 16
+    fk = launch_key(key and (key, "zero_z"), z)
+    kernel_for(zero_dropped_z_kernel, z.device, fk)[(cdiv(n_slots, block_r),)](
+        z, topk_ids, n_slots, n_cols, num_experts, z.stride(0),
+        topk_ids.stride(0), topk_ids.stride(1),
+        TOP_K=K, BLOCK_R=block_r, BLOCK_C=min(512, next_pow2(n_cols)), num_warps=4,
+    )
 
 
 def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False, counters=None,

@@ -174,6 +174,23 @@ def _dispatch_autograd(keyset, hidden, w13, w2, topk_weights, topk_ids, activati
 _lib.impl("dispatch", _dispatch_autograd, "Autograd", with_keyset=True)
 
 
+def _not_differentiable(op):
+    """Autograd kernel of an internal op that has no derivative (moe.dispatch's autograd calls
+    it below Autograd): it re-invokes the op below Autograd, so that its outputs never require
+    grad (a double backward through moe.dispatch, or a backward through a direct call, then
+    fails with "does not require grad" instead of going through PyTorch's autograd fallback,
+    which only warns)."""
+    def kernel(keyset, *args, **kwargs):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+    return kernel
+
+
+for _name in ("dispatch_train", "dispatch_backward", "dispatch_backward_saved"):
+    _lib.impl(_name, _not_differentiable(getattr(torch.ops.moe, _name).default), "Autograd",
+              with_keyset=True)
+
+
 def dispatch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu"):
     """Python entry point of `torch.ops.moe.dispatch`. Argument types are checked here too: a

@@ -412,6 +412,31 @@ def test_rows_gemm_ws_matches_per_tile(name, routing):
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("T", [1, 300])
+def test_dispatch_train_z_zero_for_slots_without_an_expert(T):
+    """The training forward's z: rows of ids < 0 and >= E are zero (gate_up never writes them;
+    zero_dropped_z_kernel does), bitwise reproducible on poisoned memory, other rows as the
+    reference's z."""
+    from moe_ops.reference.dispatch import dispatch_reference
+
+    args = list(_inputs("qwen3_30b_a3b", T, torch.bfloat16, seed=41))
+    ids = args[4].clone()
+    E = args[1].shape[0]
+    ids[0, 1] = -1
+    ids[-1, 0] = E if T > 1 else -5
+    args[4] = ids
+    zs = []
+    for _ in range(2):
+        _poison_allocator()
+        zs.append(torch.ops.moe.dispatch_train(*args)[1])
+    assert torch.equal(zs[0], zs[1])
+    flat = ids.reshape(-1)
+    dropped = (flat < 0) | (flat >= E)
+    assert int(dropped.sum()) == 2 and not zs[0][dropped].any()
+    _, z_ref = dispatch_reference(*args, return_z=True)
+    assert rel_err(zs[0][~dropped], z_ref[~dropped]) <= 2e-2
+
+
 _GPU_NOISE = """
 import sys, torch
 a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)

@@ -1,0 +1,113 @@
+"""A minimal warp-specialised Triton GEMM checked beside another GPU process (not part of the
+test suite): the smallest reproducer of benchmarks/NOTES.md entry 28 (moe_ops' WS kernels write
+NaN / stale values whenever another process uses the GPU; the same loops without the WS pass do
+not). A persistent C = A @ B^T over 128x128 tiles with tensor descriptors made in the kernel
+and `tl.range(..., warp_specialize=WS)`, as Triton's persistent-matmul tutorial; every run is
+compared bitwise with the first and against cuBLAS, with a process running matmuls beside it
+(--noise 1) or not (--noise 0).
+
+    PYTHONPATH=. python benchmarks/ws_repro.py --ws on --noise 1 --seconds 15
+    PYTHONPATH=. python benchmarks/ws_repro.py --ws on --noise 1 --maxnreg 128   # less reallocation
+
+If it fails with --ws on and --noise 1 only, it is a Triton report with this file.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+_NOISE = """
+import torch
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+(a @ a).sum().item()
+print("ready", flush=True)
+while True:
+    for n in (1024, 3072, 8192, 5000):
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        (b @ b).sum().item()
+"""
+
+
+@triton.jit
+def _ws_gemm(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr):
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])
+    n_n = tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * n_n, NUM_PROGRAMS,
+                         warp_specialize=WS):
+        m0 = (tile // n_n) * BLOCK_M
+        n0 = (tile % n_n) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = tl.dot(a_desc.load([m0, k0]), tl.trans(b_desc.load([n0, k0])), acc)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        tl.store(c_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(tl.bfloat16),
+                 mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ws", choices=["on", "off"], default="on")
+    p.add_argument("--noise", type=int, default=1, help="processes running matmuls beside it")
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--size", type=int, default=4096, help="M = N = K")
+    p.add_argument("--maxnreg", type=int, default=None, help="Triton's maxnreg launch option")
+    p.add_argument("--stages", type=int, default=3)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("ws_repro.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device="cuda"))
+    n = a.size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    ref = (x.float() @ w.float().t())
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    extra = {"maxnreg": a.maxnreg} if a.maxnreg else {}
+
+    def run():
+        c = torch.full((n, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        _ws_gemm[(programs,)](x, w, c, n, n, n, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                              NUM_PROGRAMS=programs, WS=a.ws == "on", num_warps=4,
+                              num_stages=a.stages, **extra)
+        return c
+
+    first = run()
+    err = float(((first.float() - ref).abs().max() / ref.abs().max()))
+    noise = [subprocess.Popen([sys.executable, "-c", _NOISE], stdout=subprocess.PIPE, text=True)
+             for _ in range(a.noise)]
+    try:
+        for q in noise:
+            assert q.stdout.readline().strip() == "ready", "a noise process did not start"
+        runs = bad = nan = 0
+        t_end = time.time() + a.seconds
+        while time.time() < t_end:
+            c = run()
+            runs += 1
+            nan += bool(torch.isnan(c).any())
+            bad += not torch.equal(c, first)
+    finally:
+        for q in noise:
+            q.kill()
+            q.wait()
+    print(f"WS {a.ws}, maxnreg {a.maxnreg}, stages {a.stages}, {a.noise} noise, size {n}: first "
+          f"run rel err vs float32 {err:.1e}; {runs} runs, {nan} with NaN, {bad} not bitwise "
+          f"equal to the first")
+    return 1 if (bad or nan or not err < 2e-2) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

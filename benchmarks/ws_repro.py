@@ -14,25 +14,13 @@ If it fails with --ws on and --noise 1 only, it is a Triton report with this fil
 from __future__ import annotations
 
 import argparse
-import subprocess
+import os
 import sys
 import time
 
 import torch
 import triton
 import triton.language as tl
-
-_NOISE = """
-import torch
-a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-(a @ a).sum().item()
-print("ready", flush=True)
-while True:
-    for n in (1024, 3072, 8192, 5000):
-        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        (b @ b).sum().item()
-"""
-
 
 @triton.jit
 def _ws_gemm(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -87,11 +75,11 @@ def main(argv=None) -> int:
 
     first = run()
     err = float(((first.float() - ref).abs().max() / ref.abs().max()))
-    noise = [subprocess.Popen([sys.executable, "-c", _NOISE], stdout=subprocess.PIPE, text=True)
-             for _ in range(a.noise)]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ws_stress import start_noise   # the same noise processes as ws_stress.py's
+
+    noise = start_noise(a.noise, 24 * 3600.0)
     try:
-        for q in noise:
-            assert q.stdout.readline().strip() == "ready", "a noise process did not start"
         runs = bad = nan = 0
         t_end = time.time() + a.seconds
         while time.time() < t_end:

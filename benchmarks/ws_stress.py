@@ -67,9 +67,9 @@ def _fresh_scratch_allocator(keep=4096):
 def _fields(spec: str) -> dict:
     out = {}
     for item in filter(None, spec.split(",")):
-        key, value = item.split("=")
-        out[key.strip()] = {"True": True, "False": False}.get(value.strip()) \
-            if value.strip() in ("True", "False") else int(value)
+        key, value = (x.strip() for x in item.split("="))
+        out[key] = {"True": True, "False": False}[value] if value in ("True", "False") \
+            else int(value)
     return out
 
 
@@ -130,13 +130,14 @@ def worker(case: str, seconds: float, ws: bool, scratch: str, path: str, seed: i
             differ += 1
         del got, z
     return dict(case=case, ws=ws, scratch=scratch, path=path, down_ws=cfg.down_ws, extra=extra,
-                bwd=dataclasses.asdict(bc),
                 wg_ws=bc.wg_ws, rows_ws=bc.rows_ws, runs=runs, nan_runs=nan_runs,
                 differ=differ, nan_counts=where)
 
 
 def noise(seconds: float) -> None:
-    """Another CUDA context keeping the GPU busy with changing work (as other tests do)."""
+    """Another CUDA context keeping the GPU busy with changing work (as other tests do); prints
+    "ready" once its first matmul has run. Also the noise process of benchmarks/ws_repro.py and
+    of the GPU test beside another process (`ws_stress.py --noise-worker --seconds S`)."""
     sizes = [1024, 3072, 8192, 5000]
     t_end = time.time() + seconds
     i = 0
@@ -145,7 +146,21 @@ def noise(seconds: float) -> None:
         a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
         (a @ a).sum().item()
         torch.empty(1 << 26, device="cuda").fill_(float("nan"))
+        if i == 0:
+            print("ready", flush=True)
         i += 1
+
+
+def start_noise(count: int, seconds: float, script: str = __file__) -> list:
+    """`count` noise processes (this script's --noise-worker), returned once each has its CUDA
+    context and has run a matmul."""
+    procs = [subprocess.Popen([sys.executable, script, "--noise-worker", "--seconds",
+                               str(seconds)], stdout=subprocess.PIPE, text=True)
+             for _ in range(count)]
+    for q in procs:
+        if q.stdout.readline().strip() != "ready":
+            raise RuntimeError("a noise process did not start")
+    return procs
 
 
 def main(argv=None) -> int:
@@ -176,8 +191,7 @@ def main(argv=None) -> int:
         return 2
     base = [sys.executable, __file__, "--case", a.case, "--seconds", str(a.seconds),
             "--ws", a.ws, "--scratch", a.scratch, "--path", a.path, "--fwd-ws", a.fwd_ws]
-    noisy = [subprocess.Popen([sys.executable, __file__, "--noise-worker", "--seconds",
-                               str(a.seconds + 30)]) for _ in range(a.noise)]
+    noisy = start_noise(a.noise, a.seconds + 30)
     workers = [subprocess.Popen(base + ["--worker", "--seed", str(14 + i)],
                                 stdout=subprocess.PIPE, text=True) for i in range(a.procs)]
     results = []

@@ -417,8 +417,6 @@ def test_dispatch_train_z_zero_for_slots_without_an_expert(T):
     """The training forward's z: rows of ids < 0 and >= E are zero (gate_up never writes them;
     zero_dropped_z_kernel does), bitwise reproducible on poisoned memory, other rows as the
     reference's z."""
-    from moe_ops.reference.dispatch import dispatch_reference
-
     args = list(_inputs("qwen3_30b_a3b", T, torch.bfloat16, seed=41))
     ids = args[4].clone()
     E = args[1].shape[0]
@@ -437,16 +435,17 @@ def test_dispatch_train_z_zero_for_slots_without_an_expert(T):
     assert rel_err(zs[0][~dropped], z_ref[~dropped]) <= 2e-2
 
 
-_GPU_NOISE = """
-import sys, torch
-a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-(a @ a).sum().item()
-print("ready", flush=True)
-while True:
-    for n in (1024, 3072, 8192, 5000):
-        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        (b @ b).sum().item()
-"""
+def _start_gpu_noise():
+    """One process running matmuls on the GPU (benchmarks/ws_stress.py's noise worker, the one
+    its stress runs used), returned once it is running."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ws_stress.py"
+    spec = importlib.util.spec_from_file_location("_ws_stress", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.start_noise(1, 3600.0)[0]
 
 
 def test_backward_default_kernels_exact_beside_another_gpu_process():
@@ -455,17 +454,13 @@ def test_backward_default_kernels_exact_beside_another_gpu_process():
     running matmuls); the default kernels must stay exact there. Ten runs of the training
     forward and backward (default configs) on poisoned memory beside a process running
     matmuls: no NaN, and every run bitwise equal to the first."""
-    import subprocess
-    import sys
-
     T, H, I, E, K = 40000, 7168, 128, 8, 8   # the large-offsets case, where it was reproduced
     g = torch.Generator(device="cuda").manual_seed(31)
     args = make_dispatch_inputs(T, H, I, E, K, dtype=torch.bfloat16, device="cuda", generator=g,
                                 weight_std=0.02)
     go = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
-    noise = subprocess.Popen([sys.executable, "-c", _GPU_NOISE], stdout=subprocess.PIPE, text=True)
+    noise = _start_gpu_noise()
     try:
-        assert noise.stdout.readline().strip() == "ready", "the noise process did not start"
         first = None
         for _ in range(10):
             _poison_allocator()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device-machine session: GPU tests and/or benchmarks. Logs and tables go to ${OUT:-.}.
-#   MOE_OPS_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_gpu.sh [tests|bench|all|stress]
+#   MOE_OPS_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_gpu.sh [tests|bench|all|stress|wsexp]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-.}
@@ -37,6 +37,21 @@ if [ "$stage" = stress ]; then
     timeout $(( ${STRESS_SECONDS:-60} + 120 )) python3 benchmarks/ws_stress.py --case "${STRESS_CASE:-large_offsets}" \
       --procs 3 --noise 1 --seconds "${STRESS_SECONDS:-60}" $v 2>&1 | tee -a "$out/ws_stress.log" | tail -5
   done
+fi
+if [ "$stage" = wsexp ]; then
+  # NOTES.md entry 28's next experiments, ${WSEXP_SECONDS:-15} s each: the minimal WS GEMM
+  # (ws_repro.py) alone / beside a matmul process / without the WS pass / with host-made
+  # descriptors / at maxnreg 128; then moe_ops' own WS kernels at maxnreg 128 (128-wide tiles)
+  # and with 64-row tiles (one consumer warp group), each beside a matmul process.
+  s=${WSEXP_SECONDS:-15}
+  for v in "--ws on --noise 0" "--ws on --noise 1" "--ws off --noise 1" "--ws on --noise 1 --desc host" \
+           "--ws on --noise 1 --maxnreg 128"; do
+    timeout $(( s + 120 )) python3 benchmarks/ws_repro.py --seconds "$s" $v 2>&1 | tee -a "$out/ws_repro.log" | tail -1
+  done
+  WS_STRESS_MAXNREG=128 WS_STRESS_BWD="wg_n=128,dx_n=128" timeout $(( s + 150 )) python3 benchmarks/ws_stress.py \
+    --case large_offsets --procs 1 --noise 1 --seconds "$s" --fwd-ws off 2>&1 | tee -a "$out/ws_stress.log" | tail -3
+  WS_STRESS_FWD="block_m=64" WS_STRESS_BWD="wg_m=64" timeout $(( s + 150 )) python3 benchmarks/ws_stress.py \
+    --case large_offsets --procs 1 --noise 1 --seconds "$s" 2>&1 | tee -a "$out/ws_stress.log" | tail -3
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   PLOT=""

@@ -10,6 +10,10 @@ compared bitwise with the first and against cuBLAS, with a process running matmu
     PYTHONPATH=. python benchmarks/ws_repro.py --ws on --noise 1 --maxnreg 128   # less reallocation
 
 If it fails with --ws on and --noise 1 only, it is a Triton report with this file.
+--desc host passes host-made descriptors instead of making them in the kernel (tells a
+device-descriptor visibility problem from one of the warp-specialised code itself); runs
+alternate between --sets input pairs, each compared with its own first result (a stale
+descriptor or tile from the other set would then show as a wrong, finite value).
 """
 from __future__ import annotations
 
@@ -24,11 +28,16 @@ import triton.language as tl
 
 @triton.jit
 def _ws_gemm(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr):
-    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
-                                       block_shape=[BLOCK_M, BLOCK_K])
-    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
-                                       block_shape=[BLOCK_N, BLOCK_K])
+             BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr,
+             HOST_DESC: tl.constexpr):
+    if HOST_DESC:   # a_ptr and b_ptr are host-made descriptors
+        a_desc = a_ptr
+        b_desc = b_ptr
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
     n_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * n_n, NUM_PROGRAMS,
                          warp_specialize=WS):
@@ -52,6 +61,8 @@ def main(argv=None) -> int:
     p.add_argument("--size", type=int, default=4096, help="M = N = K")
     p.add_argument("--maxnreg", type=int, default=None, help="Triton's maxnreg launch option")
     p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--desc", choices=["device", "host"], default="device")
+    p.add_argument("--sets", type=int, default=2, help="input pairs the runs alternate between")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("ws_repro.py needs a CUDA GPU", file=sys.stderr)
@@ -60,21 +71,30 @@ def main(argv=None) -> int:
                                                                  device="cuda"))
     n = a.size
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g)
-    ref = (x.float() @ w.float().t())
+    sets = [(torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g),
+             torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g))
+            for _ in range(a.sets)]
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     extra = {"maxnreg": a.maxnreg} if a.maxnreg else {}
+    host = a.desc == "host"
+    if host:
+        from triton.tools.tensor_descriptor import TensorDescriptor
 
-    def run():
+    def run(i):
+        x, w = sets[i % len(sets)]
+        if host:
+            x = TensorDescriptor.from_tensor(x, [128, 64])
+            w = TensorDescriptor.from_tensor(w, [128, 64])
         c = torch.full((n, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         _ws_gemm[(programs,)](x, w, c, n, n, n, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
-                              NUM_PROGRAMS=programs, WS=a.ws == "on", num_warps=4,
-                              num_stages=a.stages, **extra)
+                              NUM_PROGRAMS=programs, WS=a.ws == "on", HOST_DESC=host,
+                              num_warps=4, num_stages=a.stages, **extra)
         return c
 
-    first = run()
-    err = float(((first.float() - ref).abs().max() / ref.abs().max()))
+    firsts = [run(i) for i in range(len(sets))]
+    err = max(float(((f.float() - x.float() @ w.float().t()).abs().max()
+                     / (x.float() @ w.float().t()).abs().max()))
+              for f, (x, w) in zip(firsts, sets))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ws_stress import start_noise   # the same noise processes as ws_stress.py's
 
@@ -83,15 +103,16 @@ def main(argv=None) -> int:
         runs = bad = nan = 0
         t_end = time.time() + a.seconds
         while time.time() < t_end:
-            c = run()
-            runs += 1
+            c = run(runs)
             nan += bool(torch.isnan(c).any())
-            bad += not torch.equal(c, first)
+            bad += not torch.equal(c, firsts[runs % len(sets)])
+            runs += 1
     finally:
         for q in noise:
             q.kill()
             q.wait()
-    print(f"WS {a.ws}, maxnreg {a.maxnreg}, stages {a.stages}, {a.noise} noise, size {n}: first "
+    print(f"WS {a.ws}, {a.desc} descriptors, maxnreg {a.maxnreg}, stages {a.stages}, "
+          f"{len(sets)} input sets, {a.noise} noise, size {n}: first "
           f"run rel err vs float32 {err:.1e}; {runs} runs, {nan} with NaN, {bad} not bitwise "
           f"equal to the first")
     return 1 if (bad or nan or not err < 2e-2) else 0

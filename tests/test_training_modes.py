@@ -585,14 +585,15 @@ def test_dispatch_train_z_zero_for_slots_without_an_expert(interpreter, monkeypa
 
 
 @needs_interpreter
-@pytest.mark.parametrize("pair", [False, True])
+@pytest.mark.parametrize("pair,a_tma", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("H,I", [(32, 48), (64, 32), (17, 11), (64, 11)])
-def test_tma_weight_tiles(interpreter, monkeypatch, H, I, pair):
+def test_tma_weight_tiles(interpreter, monkeypatch, H, I, pair, a_tma):
     """DispatchConfig.tma / BackwardConfig.tma (weight tiles through tensor descriptors, zero-
-    filled past the edges; gate tiles past I read up rows that are never stored) and
+    filled past the edges; gate tiles past I read up rows that are never stored),
     DispatchConfig.tma_pair (gate and up tiles in one copy of a [E, 2, I, H] view, each
-    zero-filled past I) match float64 in the forward (output and saved z) and the backward;
-    H=17 has rows TMA cannot address and falls back."""
+    zero-filled past I) and tma_a (the row GEMMs' A tiles, unmasked: NaN-poisoned padding rows
+    must not reach a stored row) match float64 in the forward (output and saved z) and the
+    backward; H=17 and I=11 have rows TMA cannot address and fall back."""
     import dataclasses
 
     from moe_ops.launch.dispatch import dispatch_triton, weight_desc
@@ -605,8 +606,8 @@ def test_tma_weight_tiles(interpreter, monkeypatch, H, I, pair):
     assert (weight_desc(args[1], [1, 16, 16]) is None) == (H % 4 != 0)
     go = torch.randn(T, H, generator=g)
     cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float32), tma=True,
-                              tma_pair=pair)
-    bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float32), tma=True)
+                              tma_pair=pair, tma_a=a_tma)
+    bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float32), tma=True, tma_a=a_tma)
     _poison_empty(monkeypatch)
     out, z = dispatch_triton(*args, config=cfg, save_z=True)
     assert rel_err(out, _dense_float64(*_double(args))) <= 1e-5, seed
@@ -648,7 +649,8 @@ def test_half_tail_tiles(interpreter, monkeypatch, dtype):
     block of 32, then a tail of 8: half), 20 (one block, more than half: full), 16 (exactly half:
     half), 0, and ids < 0. Output, saved z and the backward (recompute mode: gate_up again, and
     the dA and dx GEMMs with BackwardConfig.half_tail) match float64 and the full-tile path
-    bitwise, with NaN-poisoned scratch."""
+    bitwise, with NaN-poisoned scratch; also with the row GEMMs' A tiles through descriptors
+    (tma_a: half-height tiles take a half-height descriptor; padding rows read unmasked)."""
     import dataclasses
 
     from moe_ops.launch.alignment import align_triton
@@ -671,11 +673,12 @@ def test_half_tail_tiles(interpreter, monkeypatch, dtype):
     assert True in half and False in half, half
     go = torch.randn(T, H, generator=g).to(dtype)
     outs = {}
-    for ht in (False, True):
-        cfg = dataclasses.replace(base, half_tail=ht)
+    for ht in (False, True, "tma_a"):
+        cfg = dataclasses.replace(base, half_tail=bool(ht), tma_a=ht == "tma_a")
         _poison_empty(monkeypatch)
         out, z = dispatch_triton(*args, config=cfg, save_z=True)
-        bc = dataclasses.replace(backward_config(cfg, "cpu", dtype), half_tail=ht)
+        bc = dataclasses.replace(backward_config(cfg, "cpu", dtype), half_tail=bool(ht),
+                                 tma_a=cfg.tma_a)
         grads = dispatch_backward_triton(go, *args, z=None, config=cfg, bwd_config=bc)
         monkeypatch.undo()
         outs[ht] = (out, z, grads)
@@ -685,9 +688,10 @@ def test_half_tail_tiles(interpreter, monkeypatch, dtype):
         ref = dispatch_backward_reference(go.double(), *_double(args))
         for name, err in zip(NAMES, grad_errors(grads, ref, go, args)):
             assert err <= GRAD_TOL[dtype], (seed, ht, name, err)
-    assert torch.equal(outs[True][0], outs[False][0]), seed
-    for a, b in zip(outs[True][2], outs[False][2]):
-        assert torch.equal(a, b), seed
+    for ht in (True, "tma_a"):
+        assert torch.equal(outs[ht][0], outs[False][0]), (seed, ht)
+        for a, b in zip(outs[ht][2], outs[False][2]):
+            assert torch.equal(a, b), (seed, ht)
 
 
 @needs_interpreter

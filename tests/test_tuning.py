@@ -51,6 +51,7 @@ class TestTableFormat(TestCase):
      "num_warps": 4,
      "pdl": false,
      "tma": false,
+     "tma_a": false,
      "tma_pair": false
     }
    },

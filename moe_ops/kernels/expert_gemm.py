@@ -209,11 +209,17 @@ def down_kernel(
     TMA_LAYOUT: tl.constexpr = 0, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, out_ptr=None, stride_oh=0,
-    COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False,
+    COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False, a_desc=None, a_desc_half=None,
+    A_TMA: tl.constexpr = False,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
     contiguous, block [1, BLOCK_K, BLOCK_N]; w2 for dA, w13 for dx).
+    A_TMA: the A rows (contiguous in aligned-row order) come through `a_desc` ([rows, K]
+    storage, block [BLOCK_M, BLOCK_K]; `a_desc_half` with BLOCK_M // 2 rows for half-height
+    tails) instead of masked pointer loads. Unmasked: padding rows may hold anything, but a
+    product's output row depends on its own A row alone and those rows are never stored;
+    columns past K and rows past the end read zeros.
     COMBINE_K = K > 0 (T == 1 with direct rows): the combine happens here. Each of the K
     programs of an H tile stores its slot's row, then counts itself in counters[pid_n] (zeroed by
     this call's gate_up kernel); the one that counts last sums the K rows in order 0..K-1 in
@@ -226,21 +232,20 @@ def down_kernel(
         num_rows = tl.load(num_rows_ptr)
         if pid_m * BLOCK_M >= num_rows:
             return
-    half = False   # as in gate_up_kernel
-    if HALF_TAIL and not DIRECT:
-        half = half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M)
-    if half:
+    # (a local `half = False` would be a runtime value whose branch is compiled too, with
+    # a_desc_half None: the half-height tile is only compiled under HALF_TAIL)
+    if HALF_TAIL and not DIRECT and half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M):
         down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                   n_experts, DIRECT, USE_PDL, BLOCK_M // 2)
+                   n_experts, DIRECT, USE_PDL, BLOCK_M // 2, a_desc_half, A_TMA)
     else:
         down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                   n_experts, DIRECT, USE_PDL, BLOCK_M)
+                   n_experts, DIRECT, USE_PDL, BLOCK_M, a_desc, A_TMA)
     if COMBINE_K > 0:
         combine_last(y_ptr, ids_ptr, counters_ptr, out_ptr, pid_n, H, n_experts, stride_ik,
                      stride_ym, stride_oh, BLOCK_N, COMBINE_K, FENCE)
@@ -278,8 +283,10 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                stride_tw_k, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                w_desc, TMA_LAYOUT: tl.constexpr, ids_ptr, stride_ik, n_experts,
-               DIRECT: tl.constexpr, PDL_LATE: tl.constexpr, TILE_M: tl.constexpr):
-    """down_kernel's work on the first TILE_M rows of row block pid_m."""
+               DIRECT: tl.constexpr, PDL_LATE: tl.constexpr, TILE_M: tl.constexpr,
+               a_desc, A_TMA: tl.constexpr):
+    """down_kernel's work on the first TILE_M rows of row block pid_m (A_TMA: A tiles through
+    `a_desc`, whose block is [TILE_M, BLOCK_K])."""
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
                                           stride_ik, n_experts, BLOCK_M, DIRECT, TILE_M)
     rows64 = rows.to(tl.int64)
@@ -294,7 +301,10 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
     e32 = e.to(tl.int32)
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
-        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+        if A_TMA:
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+        else:
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
         if TMA_LAYOUT == 1:
             b = tl.trans(tl.reshape(w_desc.load([e32, n0, k0]), (BLOCK_N, BLOCK_K)))
         elif TMA_LAYOUT == 2:

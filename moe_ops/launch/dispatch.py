@@ -68,7 +68,8 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     y = torch.empty(n_slots, H, dtype=hidden.dtype, device=dev)
     rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, H, I, n_slots, K,
                      cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, cfg.group_m,
-                     weights=topk_weights, tma=cfg.tma, pdl=cfg.pdl, half_tail=cfg.half_tail,
+                     weights=topk_weights, tma=cfg.tma, tma_a=cfg.tma_a, pdl=cfg.pdl,
+                     half_tail=cfg.half_tail,
                      combine=None if counters is None else (counters, out, topk_ids), key=key,
                      ws=cfg.down_ws)
     if counters is None:
@@ -130,14 +131,15 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
 
 
 def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
-                     num_warps, num_stages, group_m=8, weights=None, tma=False, pdl=False,
-                     half_tail=False, combine=None, key=None, ws=False):
+                     num_warps, num_stages, group_m=8, weights=None, tma=False, tma_a=False,
+                     pdl=False, half_tail=False, combine=None, key=None, ws=False):
     """y[slot] = (weights[slot] *) a[row] @ W_e^T ([N]) for the aligned rows: `a` is contiguous in
     aligned-row order ([max_rows, K_red]); W_e[n, k] = w[e*w_strides[0] + n*w_strides[1] +
     k*w_strides[2]] (any layout); y is per slot ([T*K, N], rows of ids < 0 unwritten). The
     forward's down GEMM, and in the backward dA = dO W2_e and dx = dz W13_e. With `tma`, W_e's
     tiles come through a tensor descriptor of `w` when its layout allows one ([E, N, K] or
-    [E, K, N] storage with 16-byte aligned rows). `half_tail`: tail row blocks with at most
+    [E, K, N] storage with 16-byte aligned rows); with `tma_a`, so do the A tiles (`a` with
+    16-byte aligned rows; a_tile_descs). `half_tail`: tail row blocks with at most
     block_m/2 valid rows run a half-height tile. `combine` = (counters, out, topk_ids), direct
     rows only: the last program per N tile also sums the K rows into out ([1, N]). `ws`: the
     persistent warp-specialised kernel where it applies (_rows_gemm_ws; `pdl`, `half_tail` and
@@ -155,6 +157,8 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         w_desc, layout = weight_desc(w, [1, block_k, block_n]), 2
     if w_desc is None:
         layout = 0
+    half = _half_tail(half_tail, al)
+    a_descs = a_tile_descs(a, bm, block_k, half) if tma_a else None
     direct = _direct_args(al, w.shape[0])
     comb = {}
     if combine is not None:
@@ -172,9 +176,21 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         tw.stride(0), tw.stride(1), y.stride(0), n_blocks, N,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
-        w_desc=w_desc, TMA_LAYOUT=layout, **direct, HALF_TAIL=_half_tail(half_tail, al),
-        **comb, num_warps=num_warps, num_stages=num_stages, **_pdl_args(pdl, a.device),
+        w_desc=w_desc, TMA_LAYOUT=layout, **direct, HALF_TAIL=half,
+        **comb, **({} if a_descs is None else dict(a_desc=a_descs[0], a_desc_half=a_descs[1],
+                                                    A_TMA=True)),
+        num_warps=num_warps, num_stages=num_stages, **_pdl_args(pdl, a.device),
     )
+
+
+def a_tile_descs(a, block_m, block_k, half):
+    """Descriptors of the row GEMM's A operand (`a` [rows, K] in aligned-row order), blocks
+    [block_m, block_k] and, for half-height tails, [block_m // 2, block_k] (else None); None
+    where the layout allows no descriptor (weight_desc)."""
+    full = weight_desc(a, [block_m, block_k])
+    if full is None:
+        return None
+    return full, weight_desc(a, [block_m // 2, block_k]) if half else None
 
 
 def _rows_gemm_ws(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,

@@ -59,7 +59,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     dA = torch.empty(n_slots, I, dtype=torch.float32, device=dev)
     rows_gemm_triton(gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), dA, al, I, H,
                      n_slots, K, bc.da_n, bc.da_k, bc.da_warps, stages, tma=bc.tma,
-                     half_tail=bc.half_tail, ws=bc.rows_ws)
+                     tma_a=bc.tma_a, half_tail=bc.half_tail, ws=bc.rows_ws)
     block_i = min(bc.ew_i, next_pow2(I))
     kernel_for(swiglu_grad_kernel, dev)[(cdiv(al.max_rows, bc.ew_r),)](
         dA, z, topk_weights, al.sorted_slots, al.num_rows, dz, sa, dweights,
@@ -80,7 +80,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     dxs = torch.empty(n_slots, H, dtype=dt, device=dev)
     rows_gemm_triton(dz, w13, (w13.stride(0), w13.stride(2), w13.stride(1)), dxs, al, H, 2 * I,
                      n_slots, K, bc.dx_n, bc.dx_k, bc.dx_warps, stages, tma=bc.tma,
-                     half_tail=bc.half_tail, ws=bc.rows_ws)
+                     tma_a=bc.tma_a, half_tail=bc.half_tail, ws=bc.rows_ws)
     combine_triton(dxs, topk_ids, dx, E)
     return dx, dw13, dw2, dweights
 

@@ -28,6 +28,7 @@ class DispatchConfig:
     half_tail: bool = False  # tail row blocks (<= block_m/2 valid rows) on a half-height tile
     combine_last: bool = False  # T == 1, direct rows: the down kernel's last program combines
     down_ws: bool = False  # down GEMM: persistent warp-specialised kernel (128-row blocks, sm_90)
+    tma_a: bool = False  # down GEMM: the act tiles (aligned rows, contiguous) through TMA too
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -133,7 +134,8 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
         # Weight tiles through TMA descriptors (16-bit weights; float32 never measured). H200,
         # entry 16: Mixtral T=512/2048/8192 -4/-4/-6%, DeepSeek-V3 T=8192 -6%, 0 to -1.5% at
         # BLOCK_M <= 64.
-        cfg = replace(cfg, tma=True)
+        # The down GEMM's act tiles too (contiguous aligned rows; NOTES.md entry 30).
+        cfg = replace(cfg, tma=True, tma_a=True)
         if block_m == 16 and T > 1 and E >= 64:
             # Many small experts, several tokens: 32-wide gate+up strips (twice the programs,
             # a finer last wave) in 256-deep steps, 3 stages (the same bytes in flight). H200,
@@ -216,6 +218,7 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
             "bm 64 w4 s4": DispatchConfig(64, 64, 64, 128, 64, 4, 4),
         }
     cands["no tma" if base.tma else "tma"] = r(base, tma=not base.tma)
+    cands["no tma a" if base.tma_a else "tma a"] = r(base, tma_a=not base.tma_a)
     if base.block_m == 16:
         cands["no direct" if base.direct else "direct"] = r(base, direct=not base.direct)
     if base.direct:
@@ -270,6 +273,7 @@ class BackwardConfig:
     ew_r: int = 4      # elementwise pass: rows per program
     ew_i: int = 512    # elementwise pass: columns of I per step
     tma: bool = False  # dA and dx weight tiles through tensor descriptors
+    tma_a: bool = False  # dA and dx: their A tiles (gathered dO, dz rows) through TMA
     half_tail: bool = False  # dA and dx: tail row blocks on a half-height tile (as the forward)
     wg_trim: bool = True  # weight gradients stop at the expert's valid rows (not its padding)
     wg_persistent: bool = False  # weight gradients: one program per SM walking output tiles
@@ -295,6 +299,8 @@ def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
     if dtype == torch.float32:
         # float32 tiles take twice the shared memory per stage.
         return replace(cfg, wg_n=128, wg_k=32, dx_n=128, dx_k=32, da_n=128, da_k=32, num_stages=3)
+    # The dA and dx GEMMs' A tiles (gathered dO rows, dz rows) through TMA (NOTES.md entry 30).
+    cfg = replace(cfg, tma_a=True)
     # Persistent weight gradients (3 stages: the store's staging tile takes the 4th) pay where
     # an expert's tiles have few 64-row steps (NOTES.md, entry 19; backward ms, per-tile ->
     # persistent, by mean rows per expert): DeepSeek-V3 64: 18.09 -> 14.17, 256: 31.46 -> 28.80;

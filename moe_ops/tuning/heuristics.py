@@ -134,7 +134,9 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
         # Weight tiles through TMA descriptors (16-bit weights; float32 never measured). H200,
         # entry 16: Mixtral T=512/2048/8192 -4/-4/-6%, DeepSeek-V3 T=8192 -6%, 0 to -1.5% at
         # BLOCK_M <= 64.
-        # The down GEMM's act tiles too (contiguous aligned rows; NOTES.md entry 30).
+        # The down GEMM's act tiles too (contiguous aligned rows; NOTES.md entry 30, graph
+        # replay: Qwen3 T=2048/8192 468 -> 461 / 1354 -> 1285 us, OLMoE T=2048 473 -> 462;
+        # Mixtral and DeepSeek-V3 T=8192 within +-0.3%, decode unchanged).
         cfg = replace(cfg, tma=True, tma_a=True)
         if block_m == 16 and T > 1 and E >= 64:
             # Many small experts, several tokens: 32-wide gate+up strips (twice the programs,
@@ -299,8 +301,10 @@ def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
     if dtype == torch.float32:
         # float32 tiles take twice the shared memory per stage.
         return replace(cfg, wg_n=128, wg_k=32, dx_n=128, dx_k=32, da_n=128, da_k=32, num_stages=3)
-    # The dA and dx GEMMs' A tiles (gathered dO rows, dz rows) through TMA (NOTES.md entry 30).
-    cfg = replace(cfg, tma_a=True)
+    # The dA and dx GEMMs' A tiles (gathered dO rows, dz rows) through TMA where I is narrow
+    # (NOTES.md entry 30, T=8192 row-GEMM kernel ms: Qwen3 1.11 -> 1.09; Mixtral 8.60 -> 8.80).
+    if 0 < inter_size <= 1024:
+        cfg = replace(cfg, tma_a=True)
     # Persistent weight gradients (3 stages: the store's staging tile takes the 4th) pay where
     # an expert's tiles have few 64-row steps (NOTES.md, entry 19; backward ms, per-tile ->
     # persistent, by mean rows per expert): DeepSeek-V3 64: 18.09 -> 14.17, 256: 31.46 -> 28.80;

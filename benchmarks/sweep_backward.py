@@ -25,9 +25,8 @@ def variants(base):
     r = dataclasses.replace
     return {
         "default": base,
-        "tma": r(base, tma=True),
+        "tma": r(base, tma=not base.tma),   # the weight tiles (with the base's tma_a)
         "tma a" if not base.tma_a else "no tma a": r(base, tma_a=not base.tma_a),
-        "tma + tma a": r(base, tma=True, tma_a=True),
         "3 stages": r(base, num_stages=3),
         "wg 128x128": r(base, wg_n=128),
         "da n128 w4": r(base, da_n=128, da_warps=4),

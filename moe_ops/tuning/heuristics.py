@@ -134,10 +134,7 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
         # Weight tiles through TMA descriptors (16-bit weights; float32 never measured). H200,
         # entry 16: Mixtral T=512/2048/8192 -4/-4/-6%, DeepSeek-V3 T=8192 -6%, 0 to -1.5% at
         # BLOCK_M <= 64.
-        # The down GEMM's act tiles too (contiguous aligned rows; NOTES.md entry 30, graph
-        # replay: Qwen3 T=2048/8192 468 -> 461 / 1354 -> 1285 us, OLMoE T=2048 473 -> 462;
-        # Mixtral and DeepSeek-V3 T=8192 within +-0.3%, decode unchanged).
-        cfg = replace(cfg, tma=True, tma_a=True)
+        cfg = replace(cfg, tma=True)
         if block_m == 16 and T > 1 and E >= 64:
             # Many small experts, several tokens: 32-wide gate+up strips (twice the programs,
             # a finer last wave) in 256-deep steps, 3 stages (the same bytes in flight). H200,
@@ -153,7 +150,11 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
             # 256-wide down tile -4 to -8% on the H = 2048 shapes at T <= 2048, e.g. Qwen3
             # T=2048 489 -> 452, and DeepSeek-V3 T=2048 6047 -> 5749; Qwen3 T=8192 +1.7%,
             # within the spread).
-            cfg = replace(cfg, tma_pair=True, block_n2=256)
+            # The down GEMM's act tiles through TMA too (contiguous aligned rows; NOTES.md
+            # entry 30, graph replay: Qwen3 T=2048/8192 468 -> 461 / 1354 -> 1285 us, OLMoE
+            # T=2048 473 -> 462, Mixtral T=512 1032 -> 1018; Mixtral and DeepSeek-V3 T=8192
+            # within +-0.3%; at BLOCK_M <= 64 0.1-1.6% slower in 8 of 8 decode cells).
+            cfg = replace(cfg, tma_pair=True, block_n2=256, tma_a=True)
             if (rows_per_expert >= 256 or E <= 16) and warp_specialize_enabled():
                 # The down GEMM as a persistent warp-specialised kernel (a producer warp group
                 # for the TMA copies, two consumer groups; no half-height tails). H200,

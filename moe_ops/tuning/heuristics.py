@@ -58,11 +58,12 @@ def _cached_config(T, E, K, H, I, device_type, dtype, device_name, tuning_dir) -
 def warp_specialize_enabled() -> bool:
     """Whether the heuristics (and tuned tables) may choose the warp-specialised kernels
     (DispatchConfig.down_ws, BackwardConfig.wg_ws / rows_ws). Off unless MOE_OPS_WARP_SPECIALIZE=1,
-    and unsafe unless this process is alone on its GPU: on the H200 (Triton 3.6) their outputs
-    hold NaN and stale values whenever another process uses the same GPU (reproduced in every
-    run with one other process running matmuls, never in ~2600 runs alone; the same kernels
-    compiled without Triton's warp-specialisation pass stay exact under sharing:
-    benchmarks/NOTES.md, entry 28). Enabling it warns once. Read when a config is first made
+    and unsafe: on the H200 (Triton 3.6) their outputs hold NaN and stale values whenever
+    another process uses the same GPU (reproduced in every run with one other process running
+    matmuls, never in ~2600 runs alone; the same kernels compiled without Triton's
+    warp-specialisation pass stay exact under sharing: benchmarks/NOTES.md, entry 28), and a
+    minimal warp-specialised GEMM in the style of Triton's tutorial is wrong on that Triton even
+    alone (entry 31). Enabling it warns once. Read when a config is first made
     (configs are memoised: clear_config_cache after changing it). A config passed explicitly is
     used as given."""
     if os.environ.get("MOE_OPS_WARP_SPECIALIZE", "0") != "1":
@@ -72,8 +73,10 @@ def warp_specialize_enabled() -> bool:
         _ws_warned = True
         warnings.warn("moe_ops: MOE_OPS_WARP_SPECIALIZE=1 enables warp-specialised kernels whose "
                       "outputs are wrong (NaN, stale values) when another process uses the same "
-                      "GPU (Triton 3.6 on Hopper; benchmarks/NOTES.md entry 28): use it only on a "
-                      "GPU this process has to itself", RuntimeWarning, stacklevel=2)
+                      "GPU, and Triton 3.6's warp specialisation on Hopper miscompiles even a "
+                      "minimal GEMM (benchmarks/NOTES.md entries 28, 31): use it only on a GPU "
+                      "this process has to itself, and check its outputs", RuntimeWarning,
+                      stacklevel=2)
     return True
 
 

@@ -149,7 +149,9 @@ def gate_up_kernel(
         num_rows = tl.load(num_rows_ptr)
         if pid_m * BLOCK_M >= num_rows:
             return
-    # half: a compile-time False unless HALF_TAIL (then a runtime flag: two tile heights)
+    # half: False unless HALF_TAIL (then a runtime flag: two tile heights). The local is a
+    # runtime value either way, so the half-height branch is compiled (dead) without HALF_TAIL
+    # too: harmless here; down_kernel, whose half branch needs a descriptor, tests in one if.
     half = False
     if HALF_TAIL and not DIRECT:
         half = half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M)

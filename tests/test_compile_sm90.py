@@ -65,6 +65,8 @@ def test_heuristic_configs_compile(compile_check, name, T, monkeypatch):
             fwd = got[kname][0]
             assert fwd.wgmma > 0 and fwd.tma > 0, (kname, fwd.wgmma, fwd.tma)
         assert (got[down][0].warps == 12) == cfg.down_ws, got[down][0].warps
+        if not cfg.down_ws:   # the act tiles by TMA too (tma_a): no pointer copies left
+            assert cfg.tma_a and got[down][0].cp_async == 0, got[down][0].cp_async
         wg = got.get("weight_grad_ws_kernel")
         assert wg and all(c.wgmma > 0 and c.tma > 0 and c.warps == 12 for c in wg), sorted(got)
         assert "weight_grad_kernel" not in got and "weight_grad_persistent_kernel" not in got

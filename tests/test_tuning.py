@@ -7,7 +7,8 @@ import torch
 from expecttest import TestCase
 
 from moe_ops.tuning import heuristics, tables
-from moe_ops.tuning.heuristics import DispatchConfig, dispatch_config, heuristic_config
+from moe_ops.tuning.heuristics import (DispatchConfig, backward_config, dispatch_config,
+                                       heuristic_config)
 
 CFG_A = DispatchConfig(16, 64, 128, 64, 128, 4, 4)
 CFG_B = DispatchConfig(128, 128, 64, 256, 64, 8, 3)
@@ -129,8 +130,6 @@ def test_warp_specialised_kernels_are_opt_in(monkeypatch, tmp_path):
     used as given."""
     import dataclasses
 
-    from moe_ops.tuning.heuristics import backward_config
-
     shape = (8192, 128, 8, 2048, 768, "cuda", torch.bfloat16)   # Qwen3, 512 rows per expert
     bf = torch.bfloat16
 
@@ -214,9 +213,19 @@ def test_heuristic_path_switches():
         assert (c.block_m, c.block_n1, c.block_k1, c.num_stages) == (16, 32, 256, 3), (T, c)
     for c in (cfg(1, qwen3), cfg(8, mixtral), cfg(8, qwen3, f32)):
         assert (c.block_n1, c.block_k1) != (32, 256), c
+    # the down GEMM's act tiles by TMA at BLOCK_M 128 only (entry 30: slower at <= 64); the
+    # backward's dA/dx A tiles where I <= 1024, 16-bit
+    assert cfg(2048, qwen3).tma_a and cfg(8192, mixtral).tma_a and cfg(2048, deepseek).tma_a
+    assert not (cfg(512, qwen3).tma_a or cfg(8, mixtral).tma_a or cfg(1, qwen3).tma_a
+                or cfg(8192, qwen3, f32).tma_a)
+    back = {name: backward_config(cfg(8192, s), "cuda", bf, rows_per_expert=8192 * s[3] / s[2],
+                                  inter_size=s[1])
+            for name, s in (("qwen3", qwen3), ("mixtral", mixtral), ("deepseek", deepseek))}
+    assert back["qwen3"].tma_a and not back["mixtral"].tma_a and not back["deepseek"].tma_a
+    assert not backward_config(cfg(8192, qwen3, f32), "cuda", f32, 512.0, 768).tma_a
     # interpreter configs never use the GPU-only paths
     cpu = heuristic_config(1, 8, 2, 64, 32, "cpu", f32)
-    assert not (cpu.tma or cpu.pdl or cpu.fuse_combine)
+    assert not (cpu.tma or cpu.tma_a or cpu.pdl or cpu.fuse_combine)
 
 
 def test_pdl_launch_options_only_on_sm90(monkeypatch):

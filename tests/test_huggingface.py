@@ -238,16 +238,20 @@ def test_training_step_gradients(name):
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
 def test_router_logits_recorded(name):
-    """output_router_logits=True still records the router logits (hooks on the router module)."""
+    """output_router_logits=True still records the router logits (hooks on the router module):
+    the first layer's bitwise (the same router on the same input), later layers' within float32
+    rounding (their input went through the previous layer's experts, moe_ops' against
+    transformers': with transformers 5.24 those differ in the last bits, ~1e-7)."""
     model = make_model(name)
     ids = input_ids()
     with torch.no_grad():
         ref = model(ids, output_router_logits=True).router_logits
         apply_moe_ops(model)
         out = model(ids, output_router_logits=True).router_logits
-    assert len(out) == len(ref) > 0
-    for a, b in zip(out, ref):
-        assert torch.equal(a, b)
+    assert len(out) == len(ref) > 1
+    assert torch.equal(out[0], ref[0])
+    for a, b in zip(out[1:], ref[1:]):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-5
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -200,6 +200,70 @@ def weight_grad_persistent_kernel(
 
 
 @triton.jit
+def weight_grad_chunked_kernel(
+    l_desc, r_desc, o_desc, expert_ends_ptr, M, N, E, n_rows,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    CHUNK: tl.constexpr, SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """weight_grad_persistent_kernel's tiles, rows and sums (bitwise the same gradients) with the
+    per-step bookkeeping out of the product loop: a program takes its tiles pid, pid +
+    NUM_PROGRAMS, ... CHUNK at a time; each tile's (expert, output block, first row, steps) is
+    computed once per chunk into [CHUNK] int32 vectors (divisions and the expert-end loads
+    there), and the flat BLOCK_K-row loop over the chunk's steps reads its tile's fields with one
+    in-warp reduction each (CHUNK <= 32: every warp holds the whole vector, so no shared-memory
+    round trip or barrier per step). The pipeline refills once per chunk. SPLIT (1 or 2): the
+    tile is stored in SPLIT column slices of BLOCK_N // SPLIT through one staging buffer of that
+    size (o_desc's block is [1, BLOCK_M, BLOCK_N // SPLIT]), which leaves shared memory for
+    another pipeline stage."""
+    pid = tl.program_id(0)
+    n_n = tl.cdiv(N, BLOCK_N)
+    per_e = tl.cdiv(M, BLOCK_M) * n_n
+    my_tiles = tl.cdiv(E * per_e - pid, NUM_PROGRAMS)
+    lanes = tl.arange(0, CHUNK)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for c0 in range(0, my_tiles, CHUNK):
+        valid = c0 + lanes < my_tiles
+        t = pid + (c0 + lanes) * NUM_PROGRAMS
+        e_v = tl.where(valid, t // per_e, 0)
+        rem = t - e_v * per_e
+        mn_v = ((rem // n_n) << 16) | (rem % n_n)
+        start = tl.load(expert_ends_ptr + e_v - 1, mask=valid & (e_v > 0), other=0)
+        valid_end = tl.load(expert_ends_ptr + E + e_v, mask=valid, other=0)
+        steps_v = tl.where(valid, tl.maximum(tl.cdiv(valid_end - start, BLOCK_K), 1), 0)
+        # an expert without rows takes its one step at row n_rows, past the end: zeros
+        first_v = tl.where(valid_end > start, start, n_rows)
+        j = 0
+        step = 0
+        for _ in range(tl.sum(steps_v)):
+            here = lanes == j
+            e = tl.sum(tl.where(here, e_v, 0))
+            mn = tl.sum(tl.where(here, mn_v, 0))
+            row = tl.sum(tl.where(here, first_v, 0)) + step * BLOCK_K
+            last = step + 1 == tl.sum(tl.where(here, steps_v, 0))
+            m0 = (mn >> 16) * BLOCK_M
+            n0 = (mn & 0xFFFF) * BLOCK_N
+            lt = l_desc.load([row, m0])          # [BLOCK_K, BLOCK_M]
+            r = r_desc.load([row, n0])           # [BLOCK_K, BLOCK_N]
+            acc = tl.dot(tl.trans(lt), r, acc, input_precision=DOT_PRECISION)
+            if last:
+                # zeroed after the store (not before the product): keeps a product in flight
+                if SPLIT == 2:
+                    halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+                    a0, a1 = tl.split(halves)
+                    o_desc.store([e, m0, n0], tl.reshape(a0.to(o_desc.dtype),
+                                                         (1, BLOCK_M, BLOCK_N // 2)))
+                    o_desc.store([e, m0, n0 + BLOCK_N // 2],
+                                 tl.reshape(a1.to(o_desc.dtype), (1, BLOCK_M, BLOCK_N // 2)))
+                else:
+                    o_desc.store([e, m0, n0], tl.reshape(acc.to(o_desc.dtype),
+                                                         (1, BLOCK_M, BLOCK_N)))
+                acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            j = tl.where(last, j + 1, j)
+            step = tl.where(last, 0, step + 1)
+
+
+@triton.jit
 def weight_grad_ws_kernel(
     l_ptr, r_ptr, o_ptr, expert_ends_ptr, M, N, E, n_rows, stride_lr, stride_rr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

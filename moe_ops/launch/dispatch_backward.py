@@ -14,7 +14,7 @@ import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
 from moe_ops.kernels.expert_gemm_backward import (gather_rows_kernel, swiglu_grad_kernel,
-                                                  weight_grad_kernel,
+                                                  weight_grad_chunked_kernel, weight_grad_kernel,
                                                   weight_grad_persistent_kernel,
                                                   weight_grad_ws_kernel)
 from moe_ops.launch.alignment import align_triton
@@ -141,6 +141,18 @@ def _weight_grad_persistent(left, right, out, al, bc, prec, bk) -> bool:
         return False
     n_tiles = E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n)
     programs = min(num_programs(out.device), n_tiles)
+    if bc.wg_chunk:
+        split = bc.wg_split if bc.wg_n % (16 * bc.wg_split) == 0 else 1
+        o_desc = weight_desc(out, [1, bc.wg_m, bc.wg_n // split])
+        if o_desc is None:
+            return False
+        kernel_for(weight_grad_chunked_kernel, out.device)[(programs,)](
+            descs[0], descs[1], o_desc, al.expert_ends, M, N, E, left.shape[0],
+            BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, CHUNK=bc.wg_chunk, SPLIT=split,
+            NUM_PROGRAMS=programs, DOT_PRECISION=prec,
+            num_warps=bc.wg_warps, num_stages=bc.wg_stages or bc.num_stages,
+        )
+        return True
     kernel_for(weight_grad_persistent_kernel, out.device)[(programs,)](
         *descs, al.expert_ends, M, N, E, left.shape[0],
         BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, BLOCK_E=next_pow2(E),

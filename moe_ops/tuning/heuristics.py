@@ -284,6 +284,8 @@ class BackwardConfig:
     wg_trim: bool = True  # weight gradients stop at the expert's valid rows (not its padding)
     wg_persistent: bool = False  # weight gradients: one program per SM walking output tiles
     wg_stages: int = 0    # pipeline stages of the persistent weight-gradient loop (0: num_stages)
+    wg_chunk: int = 0     # persistent weight gradients: tiles per bookkeeping chunk (0: per step)
+    wg_split: int = 1     # persistent weight gradients (chunked): column slices per tile store
     wg_ws: bool = False   # persistent weight gradients warp-specialised (sm_90, 16-bit, M % wg_m == 0)
     rows_ws: bool = False  # dA and dx GEMMs: the forward's warp-specialised row GEMM (down_ws)
 

@@ -813,6 +813,8 @@ PERSISTENT_WG = {
                 dict(wg_persistent=True, wg_chunk=4)),
     "chunked split": ("_weight_grad_persistent", dict(wg_persistent=False),
                       dict(wg_persistent=True, wg_chunk=2, wg_split=2)),
+    "chunked split4": ("_weight_grad_persistent", dict(wg_persistent=False, wg_n=64),
+                       dict(wg_persistent=True, wg_n=64, wg_chunk=8, wg_split=4)),
     "ws": ("_weight_grad_ws", dict(wg_m=16), dict(wg_m=16, wg_ws=True)),
 }
 

@@ -200,6 +200,17 @@ def weight_grad_persistent_kernel(
 
 
 @triton.jit
+def _column_halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """x[:, :COLS // 2], x[:, COLS // 2:]"""
+    return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, COLS // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _store_slice(o_desc, x, e, m0, n0, ROWS: tl.constexpr, COLS: tl.constexpr):
+    o_desc.store([e, m0, n0], tl.reshape(x.to(o_desc.dtype), (1, ROWS, COLS)))
+
+
+@triton.jit
 def weight_grad_chunked_kernel(
     l_desc, r_desc, o_desc, expert_ends_ptr, M, N, E, n_rows,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -212,7 +223,7 @@ def weight_grad_chunked_kernel(
     computed once per chunk into [CHUNK] int32 vectors (divisions and the expert-end loads
     there), and the flat BLOCK_K-row loop over the chunk's steps reads its tile's fields with one
     in-warp reduction each (CHUNK <= 32: every warp holds the whole vector, so no shared-memory
-    round trip or barrier per step). The pipeline refills once per chunk. SPLIT (1 or 2): the
+    round trip or barrier per step). The pipeline refills once per chunk. SPLIT (1, 2 or 4): the
     tile is stored in SPLIT column slices of BLOCK_N // SPLIT through one staging buffer of that
     size (o_desc's block is [1, BLOCK_M, BLOCK_N // SPLIT]), which leaves shared memory for
     another pipeline stage."""
@@ -249,12 +260,18 @@ def weight_grad_chunked_kernel(
             if last:
                 # zeroed after the store (not before the product): keeps a product in flight
                 if SPLIT == 2:
-                    halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-                    a0, a1 = tl.split(halves)
-                    o_desc.store([e, m0, n0], tl.reshape(a0.to(o_desc.dtype),
-                                                         (1, BLOCK_M, BLOCK_N // 2)))
-                    o_desc.store([e, m0, n0 + BLOCK_N // 2],
-                                 tl.reshape(a1.to(o_desc.dtype), (1, BLOCK_M, BLOCK_N // 2)))
+                    a0, a1 = _column_halves(acc, BLOCK_M, BLOCK_N)
+                    _store_slice(o_desc, a0, e, m0, n0, BLOCK_M, BLOCK_N // 2)
+                    _store_slice(o_desc, a1, e, m0, n0 + BLOCK_N // 2, BLOCK_M, BLOCK_N // 2)
+                elif SPLIT == 4:
+                    a0, a1 = _column_halves(acc, BLOCK_M, BLOCK_N)
+                    b0, b1 = _column_halves(a0, BLOCK_M, BLOCK_N // 2)
+                    b2, b3 = _column_halves(a1, BLOCK_M, BLOCK_N // 2)
+                    _store_slice(o_desc, b0, e, m0, n0, BLOCK_M, BLOCK_N // 4)
+                    _store_slice(o_desc, b1, e, m0, n0 + BLOCK_N // 4, BLOCK_M, BLOCK_N // 4)
+                    _store_slice(o_desc, b2, e, m0, n0 + BLOCK_N // 2, BLOCK_M, BLOCK_N // 4)
+                    _store_slice(o_desc, b3, e, m0, n0 + 3 * (BLOCK_N // 4), BLOCK_M,
+                                 BLOCK_N // 4)
                 else:
                     o_desc.store([e, m0, n0], tl.reshape(acc.to(o_desc.dtype),
                                                          (1, BLOCK_M, BLOCK_N)))

@@ -359,10 +359,10 @@ def test_weight_grad_persistent_matches_per_tile(name, routing):
     variants = {"per tile": dataclasses.replace(bc, wg_persistent=False, wg_ws=False),
                 "persistent": dataclasses.replace(bc, wg_persistent=True, wg_stages=3,
                                                   wg_ws=False),
-                "chunked": dataclasses.replace(bc, wg_persistent=True, wg_stages=3, wg_chunk=16,
-                                               wg_ws=False),
-                "chunked split": dataclasses.replace(bc, wg_persistent=True, wg_stages=4,
-                                                     wg_chunk=32, wg_split=2, wg_ws=False),
+                "small chunks": dataclasses.replace(bc, wg_persistent=True, wg_stages=3,
+                                                    wg_chunk=4, wg_ws=False),
+                "split s4": dataclasses.replace(bc, wg_persistent=True, wg_stages=4, wg_split=2,
+                                                wg_ws=False),
                 "ws": dataclasses.replace(bc, wg_ws=True, wg_stages=3)}
     got = {}
     for vname, v in variants.items():
@@ -371,7 +371,7 @@ def test_weight_grad_persistent_matches_per_tile(name, routing):
                                               bwd_config=v)
     ref = dispatch_backward_reference(go, hidden, w13, w2, tw, ids)
     for i, label in ((1, "w13"), (2, "w2")):
-        for vname in ("persistent", "chunked", "chunked split", "ws"):
+        for vname in ("persistent", "small chunks", "split s4", "ws"):
             assert torch.equal(got[vname][i], got["per tile"][i]), (vname, label)
         assert rel_err(got["ws"][i], ref[i]) <= BWD_RTOL[torch.bfloat16], label
     del got, ref

@@ -808,13 +808,13 @@ def test_one_token_out_of_range_ids_dropped(interpreter, monkeypatch, fused, tma
 # output rows H = 48 and 2I = 80 are multiples of them).
 PERSISTENT_WG = {
     "persistent": ("_weight_grad_persistent", dict(wg_persistent=False), dict(wg_persistent=True)),
-    # the chunked bookkeeping (several chunks per program) and the split tile store
-    "chunked": ("_weight_grad_persistent", dict(wg_persistent=False),
-                dict(wg_persistent=True, wg_chunk=4)),
-    "chunked split": ("_weight_grad_persistent", dict(wg_persistent=False),
-                      dict(wg_persistent=True, wg_chunk=2, wg_split=2)),
-    "chunked split4": ("_weight_grad_persistent", dict(wg_persistent=False, wg_n=64),
-                       dict(wg_persistent=True, wg_n=64, wg_chunk=8, wg_split=4)),
+    # several bookkeeping chunks per program; the tile stored in 2 and 4 column slices
+    "small chunks": ("_weight_grad_persistent", dict(wg_persistent=False),
+                     dict(wg_persistent=True, wg_chunk=4)),
+    "split": ("_weight_grad_persistent", dict(wg_persistent=False),
+              dict(wg_persistent=True, wg_chunk=2, wg_split=2)),
+    "split4": ("_weight_grad_persistent", dict(wg_persistent=False, wg_n=64),
+               dict(wg_persistent=True, wg_n=64, wg_chunk=8, wg_split=4)),
     "ws": ("_weight_grad_ws", dict(wg_m=16), dict(wg_m=16, wg_ws=True)),
 }
 

@@ -222,6 +222,11 @@ def test_heuristic_path_switches():
                                   inter_size=s[1])
             for name, s in (("qwen3", qwen3), ("mixtral", mixtral), ("deepseek", deepseek))}
     assert back["qwen3"].tma_a and not back["mixtral"].tma_a and not back["deepseek"].tma_a
+    # the persistent weight gradients at every size since entry 32 (Mixtral: 2048 rows per
+    # expert), and for an unknown size
+    assert all(b.wg_persistent and b.wg_stages == 3 and b.wg_chunk == 32 for b in back.values())
+    assert backward_config(cfg(8192, qwen3), "cuda", bf).wg_persistent
+    assert not backward_config(cfg(8192, qwen3, f32), "cuda", f32, 512.0, 768).wg_persistent
     assert not backward_config(cfg(8192, qwen3, f32), "cuda", f32, 512.0, 768).tma_a
     # interpreter configs never use the GPU-only paths
     cpu = heuristic_config(1, 8, 2, 64, 32, "cpu", f32)

@@ -139,67 +139,6 @@ def weight_grad_kernel(
 
 
 @triton.jit
-def weight_grad_persistent_kernel(
-    l_desc, r_desc, o_desc, expert_ends_ptr, M, N, E, n_rows,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """weight_grad_kernel's sums (the same rows in the same order, the same tile shape, so the
-    same float32 sums) with NUM_PROGRAMS programs, each walking output tiles pid,
-    pid + NUM_PROGRAMS, ... (order: expert, output row block, column block) in one flat loop of
-    BLOCK_K-row steps. The software pipeliner then overlaps a tile's last products, its epilogue
-    and its tensor-memory store with the loads of the next tile, which a program per tile cannot
-    do: weight gradients have few reduction steps per tile (4-8 at T = 8192) and a large output.
-    L ([rows, M]), R ([rows, N]) and out ([E, M, N]) come through tensor descriptors (blocks
-    [BLOCK_K, BLOCK_M], [BLOCK_K, BLOCK_N], [1, BLOCK_M, BLOCK_N]: edges zero-filled on load,
-    clipped on store). Each expert's first row and step count (BLOCK_K steps up to the first
-    past its valid rows, at least one) sit in registers, one expert per lane of a [BLOCK_E]
-    vector (E <= BLOCK_E): a global load inside the loop would stop Triton from pipelining it.
-    An expert without rows takes its one step at row n_rows, past the end of L and R, where the
-    copies read zeros, and stores a zero tile."""
-    pid = tl.program_id(0)
-    n_n = tl.cdiv(N, BLOCK_N)
-    per_e = tl.cdiv(M, BLOCK_M) * n_n
-    offs_e = tl.arange(0, BLOCK_E)
-    e_mask = offs_e < E
-    start = tl.load(expert_ends_ptr + offs_e - 1, mask=e_mask & (offs_e > 0), other=0)
-    valid_end = tl.load(expert_ends_ptr + E + offs_e, mask=e_mask, other=0)
-    steps = tl.maximum(tl.cdiv(valid_end - start, BLOCK_K), 1)
-    first_row = tl.where(valid_end > start, start, n_rows)
-    # (first row, steps) of each expert in one int64, so one reduction per step extracts both
-    info = (first_row.to(tl.int64) << 32) | steps.to(tl.int64)
-    # Steps of this program: its tiles of expert e are the t in [e*per_e, (e+1)*per_e) with
-    # t = pid (mod NUM_PROGRAMS), each with the expert's steps.
-    lo = offs_e * per_e - pid
-    hi = lo + per_e
-    count = (tl.where(hi > 0, tl.cdiv(hi, NUM_PROGRAMS), 0)
-             - tl.where(lo > 0, tl.cdiv(lo, NUM_PROGRAMS), 0))
-    n_iter = tl.sum(tl.where(e_mask, count * steps, 0))
-    tile = pid
-    step = 0
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for _ in range(n_iter):
-        e = tile // per_e
-        rem = tile - e * per_e
-        m0 = (rem // n_n) * BLOCK_M
-        n0 = (rem % n_n) * BLOCK_N
-        packed = tl.sum(tl.where(offs_e == e, info, 0))
-        row = (packed >> 32).to(tl.int32) + step * BLOCK_K
-        last = step + 1 == (packed & 0xFFFFFFFF).to(tl.int32)
-        lt = l_desc.load([row, m0])          # [BLOCK_K, BLOCK_M]
-        r = r_desc.load([row, n0])           # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(tl.trans(lt), r, acc, input_precision=DOT_PRECISION)
-        if last:
-            # the accumulator is zeroed here, after the store, not before the product: Triton
-            # keeps Hopper's products in flight across steps only when the accumulator is
-            # touched on the epilogue branch alone
-            o_desc.store([e, m0, n0], tl.reshape(acc.to(o_desc.dtype), (1, BLOCK_M, BLOCK_N)))
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        tile = tl.where(last, tile + NUM_PROGRAMS, tile)
-        step = tl.where(last, 0, step + 1)
-
-
-@triton.jit
 def _column_halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
     """x[:, :COLS // 2], x[:, COLS // 2:]"""
     return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, COLS // 2)), (0, 2, 1)))
@@ -211,22 +150,33 @@ def _store_slice(o_desc, x, e, m0, n0, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def weight_grad_chunked_kernel(
+def weight_grad_persistent_kernel(
     l_desc, r_desc, o_desc, expert_ends_ptr, M, N, E, n_rows,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr, SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """weight_grad_persistent_kernel's tiles, rows and sums (bitwise the same gradients) with the
-    per-step bookkeeping out of the product loop: a program takes its tiles pid, pid +
-    NUM_PROGRAMS, ... CHUNK at a time; each tile's (expert, output block, first row, steps) is
-    computed once per chunk into [CHUNK] int32 vectors (divisions and the expert-end loads
-    there), and the flat BLOCK_K-row loop over the chunk's steps reads its tile's fields with one
-    in-warp reduction each (CHUNK <= 32: every warp holds the whole vector, so no shared-memory
-    round trip or barrier per step). The pipeline refills once per chunk. SPLIT (1, 2 or 4): the
-    tile is stored in SPLIT column slices of BLOCK_N // SPLIT through one staging buffer of that
-    size (o_desc's block is [1, BLOCK_M, BLOCK_N // SPLIT]), which leaves shared memory for
-    another pipeline stage."""
+    """weight_grad_kernel's sums (the same rows in the same order, the same tile shape, so the
+    same float32 sums) with NUM_PROGRAMS programs, each walking output tiles pid,
+    pid + NUM_PROGRAMS, ... (order: expert, output row block, column block) in a flat loop of
+    BLOCK_K-row steps, so the software pipeliner overlaps a tile's last products, its epilogue and
+    its tensor-memory store with the loads of the next tile, which a program per tile cannot do:
+    weight gradients have few reduction steps per tile (4-8 at T = 8192) and a large output.
+    L ([rows, M]), R ([rows, N]) and out ([E, M, N]) come through tensor descriptors (blocks
+    [BLOCK_K, BLOCK_M], [BLOCK_K, BLOCK_N], [1, BLOCK_M, BLOCK_N // SPLIT]: edges zero-filled on
+    load, clipped on store).
+    Bookkeeping stays out of the product loop: a program takes its tiles CHUNK at a time (CHUNK
+    <= 32, a power of two); each tile's expert, output block, first row and step count (BLOCK_K
+    steps up to the first past the expert's valid rows, at least one) are computed once per
+    chunk into [CHUNK] int32 vectors (the divisions and expert-end loads there), and each step
+    reads its tile's fields with one in-warp reduction apiece: every warp holds the whole vector,
+    so there is no shared-memory round trip or barrier per step (a lookup over one lane per
+    expert, [E] wide, took four barriers and two integer divisions per step: benchmarks/NOTES.md
+    entry 32). A global load inside the loop would stop Triton from pipelining it. The pipeline
+    refills once per chunk. An expert without rows takes its one step at row n_rows, past the end
+    of L and R, where the copies read zeros, and stores a zero tile. SPLIT (1, 2 or 4): the tile
+    is stored in SPLIT column slices through one staging buffer of 1/SPLIT of its size (room for
+    another pipeline stage)."""
     pid = tl.program_id(0)
     n_n = tl.cdiv(N, BLOCK_N)
     per_e = tl.cdiv(M, BLOCK_M) * n_n

@@ -14,7 +14,7 @@ import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
 from moe_ops.kernels.expert_gemm_backward import (gather_rows_kernel, swiglu_grad_kernel,
-                                                  weight_grad_chunked_kernel, weight_grad_kernel,
+                                                  weight_grad_kernel,
                                                   weight_grad_persistent_kernel,
                                                   weight_grad_ws_kernel)
 from moe_ops.launch.alignment import align_triton
@@ -113,8 +113,8 @@ def weight_grad_triton(left, right, out, al, bc, prec):
         raise ValueError(f"weight-gradient step {bk} must divide block_m {al.block_m}")
     if bc.wg_ws and bc.wg_trim and _weight_grad_ws(left, right, out, al, bc, prec, bk):
         return
-    if (bc.wg_persistent and bc.wg_trim and E <= _MAX_PERSISTENT_EXPERTS
-            and _weight_grad_persistent(left, right, out, al, bc, prec, bk)):
+    if bc.wg_persistent and bc.wg_trim and _weight_grad_persistent(left, right, out, al, bc, prec,
+                                                                   bk):
         return
     kernel_for(weight_grad_kernel, out.device)[
             (E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n),)](
@@ -125,37 +125,26 @@ def weight_grad_triton(left, right, out, al, bc, prec):
     )
 
 
-_MAX_PERSISTENT_EXPERTS = 1024   # the persistent kernel keeps one expert per lane of a vector
-
-
 def _weight_grad_persistent(left, right, out, al, bc, prec, bk) -> bool:
     """weight_grad_triton on the persistent kernel, if it applies: 16-bit operands whose tensor
-    descriptors are legal here (weight_desc: 16-byte aligned rows, sm_90+ or the interpreter).
-    Returns whether it ran."""
+    descriptors are legal here (weight_desc: 16-byte aligned rows, sm_90+ or the interpreter) and
+    output block indices that fit the kernel's packed int32 (< 2^15 row blocks, < 2^16 column
+    blocks). Returns whether it ran."""
     if left.dtype not in (torch.bfloat16, torch.float16):
         return False
     E, M, N = out.shape
+    if cdiv(M, bc.wg_m) >= 1 << 15 or cdiv(N, bc.wg_n) >= 1 << 16:
+        return False
+    split = bc.wg_split if bc.wg_n % (16 * bc.wg_split) == 0 else 1
     descs = (weight_desc(left, [bk, bc.wg_m]), weight_desc(right, [bk, bc.wg_n]),
-             weight_desc(out, [1, bc.wg_m, bc.wg_n]))
+             weight_desc(out, [1, bc.wg_m, bc.wg_n // split]))
     if any(d is None for d in descs):
         return False
     n_tiles = E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n)
     programs = min(num_programs(out.device), n_tiles)
-    if bc.wg_chunk:
-        split = bc.wg_split if bc.wg_n % (16 * bc.wg_split) == 0 else 1
-        o_desc = weight_desc(out, [1, bc.wg_m, bc.wg_n // split])
-        if o_desc is None:
-            return False
-        kernel_for(weight_grad_chunked_kernel, out.device)[(programs,)](
-            descs[0], descs[1], o_desc, al.expert_ends, M, N, E, left.shape[0],
-            BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, CHUNK=bc.wg_chunk, SPLIT=split,
-            NUM_PROGRAMS=programs, DOT_PRECISION=prec,
-            num_warps=bc.wg_warps, num_stages=bc.wg_stages or bc.num_stages,
-        )
-        return True
     kernel_for(weight_grad_persistent_kernel, out.device)[(programs,)](
         *descs, al.expert_ends, M, N, E, left.shape[0],
-        BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, BLOCK_E=next_pow2(E),
+        BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, CHUNK=bc.wg_chunk, SPLIT=split,
         NUM_PROGRAMS=programs, DOT_PRECISION=prec,
         num_warps=bc.wg_warps, num_stages=bc.wg_stages or bc.num_stages,
     )

@@ -284,8 +284,8 @@ class BackwardConfig:
     wg_trim: bool = True  # weight gradients stop at the expert's valid rows (not its padding)
     wg_persistent: bool = False  # weight gradients: one program per SM walking output tiles
     wg_stages: int = 0    # pipeline stages of the persistent weight-gradient loop (0: num_stages)
-    wg_chunk: int = 0     # persistent weight gradients: tiles per bookkeeping chunk (0: per step)
-    wg_split: int = 1     # persistent weight gradients (chunked): column slices per tile store
+    wg_chunk: int = 32    # persistent weight gradients: tiles per bookkeeping chunk (<= 32, 2^n)
+    wg_split: int = 1     # persistent weight gradients: column slices per tile store (1, 2, 4)
     wg_ws: bool = False   # persistent weight gradients warp-specialised (sm_90, 16-bit, M % wg_m == 0)
     rows_ws: bool = False  # dA and dx GEMMs: the forward's warp-specialised row GEMM (down_ws)
 
@@ -313,14 +313,14 @@ def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
     # in the training tables).
     if 0 < inter_size <= 1024:
         cfg = replace(cfg, tma_a=True)
-    # Persistent weight gradients (3 stages: the store's staging tile takes the 4th) pay where
-    # an expert's tiles have few 64-row steps (NOTES.md, entry 19; backward ms, per-tile ->
-    # persistent, by mean rows per expert): DeepSeek-V3 64: 18.09 -> 14.17, 256: 31.46 -> 28.80;
-    # Qwen3 128: 1.38 -> 1.16, 512: 3.20 -> 3.06; Mixtral 512: 6.28 -> 6.21. At 1024 and above
-    # the per-tile kernel's longer loops win: OLMoE 1024 even, DeepSeek-V3 1024: 88.65 -> 96.86,
-    # Mixtral 2048: 19.54 -> 20.83, OLMoE 4096: 13.25 -> 13.62.
-    if 0 < rows_per_expert < 1024:
-        cfg = replace(cfg, wg_persistent=True, wg_stages=3)
+    # Persistent weight gradients (3 stages: the store's staging tile takes the 4th). First
+    # adopted below 1024 mean rows per expert (NOTES.md entry 19); since its bookkeeping left the
+    # product loop (entry 32) it beats the per-tile kernel at every T measured (backward ms,
+    # per-tile or old persistent -> now, T = 2048/8192/32768): Qwen3 1.12/2.93/10.34 ->
+    # 1.11/2.86/10.21, OLMoE 1.12/3.35/12.86 -> 1.09/3.19/12.55, Mixtral 5.89/19.75/77.01 ->
+    # 5.50/19.37/74.56, DeepSeek-V3 14.09/28.88/89.16 -> 13.94/26.64/84.18. Split stores with a
+    # 4th stage (wg_split 2/4) were within +-2% of it, neither way throughout.
+    cfg = replace(cfg, wg_persistent=True, wg_stages=3)
     # The warp-specialised persistent weight-gradient kernel (same tiles and sums, bitwise equal;
     # it applies where the output rows are a multiple of 128, else the kernels above run).
     # H200, NOTES.md entry 24, T=8192, weight-gradient ms (backward ms): Qwen3 1.29 -> 1.07

@@ -51,6 +51,8 @@ def variants(base):
         "wg split s4": r(base, wg_persistent=True, wg_stages=4, wg_split=2),
         "wg split s3": r(base, wg_persistent=True, wg_stages=3, wg_split=2),
         "wg split4 s4": r(base, wg_persistent=True, wg_stages=4, wg_split=4),
+        "wg k128 split s2": r(base, wg_persistent=True, wg_k=128, wg_stages=2, wg_split=2),
+        "wg k128 split4 s2": r(base, wg_persistent=True, wg_k=128, wg_stages=2, wg_split=4),
         "wg ws s3": r(base, wg_ws=True, wg_n=256, wg_stages=3),
         "wg ws 128x128 s4": r(base, wg_ws=True, wg_n=128, wg_stages=4),
         "wg ws s3 + rows ws": r(base, wg_ws=True, wg_n=256, wg_stages=3, rows_ws=True,

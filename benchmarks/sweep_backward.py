@@ -35,7 +35,7 @@ def variants(base):
         "wg 128x128": r(base, wg_n=128),
         "da n128 w4": r(base, da_n=128, da_warps=4),
         "ew r8 i256": r(base, ew_r=8, ew_i=256),
-        "ew r4 i256": r(base, ew_r=4, ew_i=256),
+        "ew r4 i512": r(base, ew_r=4, ew_i=512),
         "ew r16 i256": r(base, ew_r=16, ew_i=256),
         "ew r2 i1024": r(base, ew_r=2, ew_i=1024),
         "ew r8 i512": r(base, ew_r=8, ew_i=512),

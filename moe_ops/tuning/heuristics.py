@@ -277,7 +277,9 @@ class BackwardConfig:
     da_k: int = 64     # dA GEMM: reduction step over H
     da_warps: int = 4
     ew_r: int = 4      # elementwise pass: rows per program
-    ew_i: int = 512    # elementwise pass: columns of I per step
+    # elementwise pass: columns of I per step (H200, T=8192, NOTES.md entry 34: 512 -> 256 took
+    # the pass from 0.25-0.27 to 0.18 ms on Qwen3, 0.30 -> 0.24 OLMoE, 0.62 -> 0.55 DeepSeek-V3)
+    ew_i: int = 256
     tma: bool = False  # dA and dx weight tiles through tensor descriptors
     tma_a: bool = False  # dA and dx: their A tiles (gathered dO, dz rows) through TMA
     half_tail: bool = False  # dA and dx: tail row blocks on a half-height tile (as the forward)

@@ -860,6 +860,36 @@ def test_persistent_weight_grads_match_per_tile(interpreter, routing, kernel):
             assert err <= GRAD_TOL[torch.float16], (seed, name, err)
 
 
+@needs_interpreter
+def test_persistent_weight_grads_many_experts(interpreter, monkeypatch):
+    """More experts (1100) than the persistent kernel once allowed (one vector lane per expert,
+    at most 1024): the chunked kernel has no expert limit, runs, and is bitwise the per-tile
+    kernel's on NaN-poisoned scratch, most experts empty."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch_backward as db
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    T, H, I, E, K = 6, 16, 16, 1100, 2
+    args, g = _inputs(T, H, I, E, K, routing="uniform", seed=seed, dtype=torch.float16)
+    go = torch.randn(T, H, generator=g).to(torch.float16)
+    cfg = dispatch_config(T, E, K, H, I, "cpu", torch.float16)
+    bc = backward_config(cfg, "cpu", torch.float16)
+    calls = []
+    run = db._weight_grad_persistent
+    monkeypatch.setattr(db, "_weight_grad_persistent",
+                        lambda *a: (calls.append(a[2].shape), run(*a))[1])
+    _poison_empty(monkeypatch)
+    per_tile = db.dispatch_backward_triton(go, *args, config=cfg, bwd_config=bc)
+    persistent = db.dispatch_backward_triton(
+        go, *args, config=cfg, bwd_config=dataclasses.replace(bc, wg_persistent=True))
+    assert calls == [(E, H, I), (E, 2 * I, H)], (seed, calls)
+    for name, a, b in zip(NAMES, persistent, per_tile):
+        assert torch.equal(a, b), (seed, name)
+    assert persistent[1][torch.unique(args[4])].abs().sum() > 0, seed   # the experts hit
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. the warp-specialised kernels' launchers (interpreted)
 

@@ -65,6 +65,33 @@ def test_interpreter_hypothesis(T, E, data):
             os.environ["TRITON_INTERPRET"] = old
 
 
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("path", ["reference_path", "interpreter"])
+def test_minus_inf_logits_give_distinct_ids(path, scoring, renormalize, request):
+    """Rows with fewer finite logits than top_k: the ids of a row stay distinct (the -inf
+    experts in index order after the finite ones; the kernel once picked an already chosen
+    expert again), and the weights are their scores (0 for a -inf logit), renormalised."""
+    request.getfixturevalue(path)
+    inf = float("inf")
+    logits = torch.tensor([[0.5, -inf, -inf, -inf, 0.1, -inf],
+                           [-inf, -inf, 2.0, -inf, -inf, -inf],
+                           [-inf, -inf, -inf, -inf, -inf, -inf],
+                           [0.3, -0.2, 1.0, 0.0, -inf, 0.7]])
+    w, ids = torch.ops.moe.route(logits, 3, scoring, renormalize, scale=2.0)
+    expect_ids = torch.tensor([[0, 4, 1], [2, 0, 1], [0, 1, 2], [2, 5, 0]], dtype=torch.int32)
+    assert torch.equal(ids, expect_ids), ids
+    x = logits.double()
+    s = x.softmax(-1) if scoring == "softmax" else x.sigmoid()
+    expect_w = s.gather(1, expect_ids.long())
+    if renormalize:   # (0 / 0 for an all -inf row under sigmoid, as the contract's formula)
+        expect_w = expect_w / expect_w.sum(-1, keepdim=True)
+    expect_w = expect_w * 2.0
+    finite = torch.isfinite(s).all(-1)   # softmax of an all -inf row is NaN: ids only there
+    torch.testing.assert_close(w.double()[finite], expect_w[finite], rtol=1e-6, atol=1e-7,
+                               equal_nan=True)
+
+
 def test_bf16_logits_and_strided(interpreter):
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(16, 24, generator=g).t()[:10]  # non-contiguous [10, 16]

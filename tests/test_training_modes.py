@@ -775,6 +775,57 @@ def test_fused_combine_one_token(interpreter, monkeypatch, routing, K, H, I, blo
         monkeypatch.undo()
 
 
+# int64 ids out of range that wrap to a valid expert when narrowed to int32
+WRAPPING_IDS = (-(2**32), -(2**32) + 2, 2**32 + 1, -(2**40) + 1)
+
+
+@needs_interpreter
+def test_int64_ids_wrapping_in_int32_dropped(interpreter, mode):
+    """int64 ids < 0 or >= E whose low 32 bits name a valid expert (-2^32 -> 0, 2^32 + 1 -> 1)
+    are dropped like -1: the forward and every gradient in both backward modes are bitwise
+    those of the same call with -1 there (the alignment kernels once narrowed the ids before
+    testing them, so the recompute backward routed such slots to an expert)."""
+    seed = fresh_seed()
+    T, H, I, E, K = 6, 16, 8, 4, 2
+    args, g = _inputs(T, H, I, E, K, routing="uniform", seed=seed, requires_grad=True,
+                      ids_dtype=torch.int64)
+    ids = args[4].clone()
+    for n, v in enumerate(WRAPPING_IDS):
+        ids[n, n % K] = v
+    dropped = ids.masked_fill((ids < 0) | (ids >= E), -1)
+    go = torch.randn(T, H, generator=g)
+    out, grads, _ = _train_step(args[:4] + (ids,), go)
+    out_ref, grads_ref, _ = _train_step(args[:4] + (dropped,), go)
+    assert torch.equal(out, out_ref), seed
+    for name, a, b in zip(NAMES, grads, grads_ref):
+        assert torch.equal(a, b), (seed, mode, name)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fused", [False, True])
+def test_one_token_int64_wrapping_ids_dropped(interpreter, fused):
+    """At T == 1 (direct rows; with and without the folded combine) an int64 id whose low 32
+    bits name a valid expert is dropped (the folded down+combine kernel once narrowed first and
+    read a never-written activation row)."""
+    import dataclasses
+
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.tuning.heuristics import dispatch_config
+
+    seed = fresh_seed()
+    T, H, I, E, K = 1, 32, 24, 5, 4
+    (h, w13, w2, w, ids), _ = _inputs(T, H, I, E, K, routing="uniform", seed=seed,
+                                      ids_dtype=torch.int64)
+    bad = ids.clone()
+    bad[0, 0] = -(2**32) + 1
+    bad[0, 2] = 2**32 + 3
+    dropped = bad.masked_fill((bad < 0) | (bad >= E), -1)
+    cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float32), direct=True,
+                              fuse_combine=fused)
+    out = dispatch_triton(h, w13, w2, w, bad, config=cfg)
+    assert rel_err(out, _dense_float64(*_double((h, w13, w2, w, dropped)))) <= 1e-5, seed
+
+
 @needs_interpreter
 @pytest.mark.parametrize("fused,tma", [(False, False), (True, False), (True, True)])
 def test_one_token_out_of_range_ids_dropped(interpreter, monkeypatch, fused, tma):

@@ -26,6 +26,15 @@ def pdl_start(USE_PDL: tl.constexpr):
 
 
 @triton.jit
+def load_ids(ptrs, mask, E):
+    """(ids as int32, valid): valid = mask and 0 <= id < E, tested on the ids' own width (an
+    int64 id below -2^31 must not wrap to a valid expert when narrowed); invalid ids read -1."""
+    raw = tl.load(ptrs, mask=mask, other=-1)
+    valid = mask & (raw >= 0) & (raw < E)
+    return tl.where(valid, raw, -1).to(tl.int32), valid
+
+
+@triton.jit
 def count_kernel(ids_ptr, counts_ptr, n_slots, span, E,
                  CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = False):
     pid = tl.program_id(0)
@@ -36,8 +45,7 @@ def count_kernel(ids_ptr, counts_ptr, n_slots, span, E,
     for c in range(0, span, CHUNK):
         offs = start + c + tl.arange(0, CHUNK)
         m = (offs < n_slots) & (offs < start + span)
-        ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
-        valid = m & (ids >= 0) & (ids < E)
+        ids, valid = load_ids(ids_ptr + offs, m, E)
         onehot = (ids[:, None] == experts[None, :]) & valid[:, None]
         counts += tl.sum(onehot.to(tl.int32), axis=0)
     tl.store(counts_ptr + pid * BLOCK_E + experts, counts)
@@ -57,8 +65,7 @@ def scan_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, expert_ends
     experts = tl.arange(0, BLOCK_E)
     offs = tl.arange(0, BLOCK_P)
     m = offs < n_slots
-    ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
-    valid = m & (ids >= 0) & (ids < E)
+    ids, valid = load_ids(ids_ptr + offs, m, E)
     onehot = ((ids[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)
     totals = tl.sum(onehot, axis=0)
     starts, ends, num_rows = expert_ranges(totals, BLOCK_M)
@@ -131,8 +138,7 @@ def place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr
     for c in range(0, span, CHUNK):
         offs = start + c + tl.arange(0, CHUNK)
         m = (offs < n_slots) & (offs < start + span)
-        ids = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
-        valid = m & (ids >= 0) & (ids < E)
+        ids, valid = load_ids(ids_ptr + offs, m, E)
         onehot = ((ids[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)
         rank = tl.cumsum(onehot, axis=0) - onehot
         row = tl.sum((rank + base[None, :]) * onehot, axis=1)

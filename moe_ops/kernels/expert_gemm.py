@@ -415,9 +415,9 @@ def down_combine_one_token_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     if USE_PDL:
         gdc_wait()
-    ids = tl.load(ids_ptr + rows * stride_ik, mask=rows < TOP_K, other=-1).to(tl.int32)
-    valid = (ids >= 0) & (ids < E)
-    ids = tl.where(valid, ids, 0)
+    ids = tl.load(ids_ptr + rows * stride_ik, mask=rows < TOP_K, other=-1)
+    valid = (ids >= 0) & (ids < E)   # on the ids' own width: an int64 id < -2^31 stays dropped
+    ids = tl.where(valid, ids, 0).to(tl.int32)
     n_k = tl.cdiv(I, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     a_rows = act_ptr + (rows * BLOCK_M).to(tl.int64)[:, None] * stride_am

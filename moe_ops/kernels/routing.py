@@ -67,14 +67,21 @@ def route_kernel(
     kidx = tl.arange(0, BLOCK_K)
     out_w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
     out_i = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
+    # Experts already picked are tracked in a mask, not by setting their score to -inf: a row
+    # with fewer finite scores than top_k (-inf logits) would pick a -inf expert twice. Among
+    # equal scores the lowest index wins; a row with no match (NaN scores) takes the lowest
+    # expert not yet picked, so the ids of a row are always distinct and in range.
+    avail = tl.broadcast_to(col_mask[None, :], (BLOCK_T, BLOCK_E))
     for j in range(top_k):
-        m = tl.max(sel, axis=1)
-        i = tl.min(tl.where(sel == m[:, None], cols[None, :], BLOCK_E), axis=1)
+        m = tl.max(tl.where(avail, sel, float("-inf")), axis=1)
+        i = tl.min(tl.where(avail & (sel == m[:, None]), cols[None, :], BLOCK_E), axis=1)
+        first_free = tl.min(tl.where(avail, cols[None, :], BLOCK_E), axis=1)
+        i = tl.where(i < BLOCK_E, i, first_free)
         hit = cols[None, :] == i[:, None]
         w = tl.sum(tl.where(hit, s, 0.0), axis=1)
         out_w = tl.where(kidx[None, :] == j, w[:, None], out_w)
         out_i = tl.where(kidx[None, :] == j, i[:, None], out_i)
-        sel = tl.where(hit, float("-inf"), sel)
+        avail = avail & ~hit
     if RENORMALIZE:
         total = tl.sum(out_w, axis=1)
         total = tl.where(row_mask, total, 1.0)

@@ -154,6 +154,49 @@ def test_route_parity(T, E, K, kw):
         torch.testing.assert_close(w_buf.double(), w_ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kw", [{}, {"scoring": "sigmoid", "renormalize": False}])
+def test_route_minus_inf_logits_distinct_ids(kw):
+    """Rows with fewer finite logits than top_k (-inf logits): distinct ids, in the reference's
+    order, and the reference's weights (rows whose scores are all finite)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    logits = torch.randn(300, 64, device="cuda", generator=g)
+    logits[:, 3:] = torch.where(torch.rand(300, 61, device="cuda", generator=g) < 0.97,
+                                float("-inf"), logits[:, 3:])
+    w, ids = torch.ops.moe.route(logits, 8, **kw)
+    w_ref, ids_ref = route_reference(logits.double(), 8, **kw)
+    assert all(len(set(r)) == 8 for r in ids.tolist())
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w.double(), w_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 8, 300])
+def test_int64_ids_wrapping_in_int32_dropped(T):
+    """int64 ids out of range whose low 32 bits name a valid expert are dropped like -1: the
+    training forward and gradients (recompute mode: the alignment kernels route the slots) and,
+    at T == 1 on the DeepSeek-V3 shape, the folded single-token down+combine kernel."""
+    import moe_ops
+
+    name = "deepseek_v3_routed" if T == 1 else "qwen3_30b_a3b"
+    h, w13, w2, tw, ids = _inputs(name, T, torch.bfloat16, seed=T, num_experts=16)
+    ids = ids.long()
+    bad = ids.clone()
+    bad.view(-1)[::3] = -(2**32) + 1
+    bad.view(-1)[1::5] = 2**32 + 2
+    dropped = bad.masked_fill((bad < 0) | (bad >= w2.shape[0]), -1)
+    prev = moe_ops.set_recompute(True)
+    try:
+        got = []
+        for i in (bad, dropped):
+            params = [t.detach().clone().requires_grad_(True) for t in (h, w13, w2, tw)]
+            out = torch.ops.moe.dispatch(*params, i)
+            out.float().square().sum().backward()
+            got.append([out] + [p.grad for p in params])
+    finally:
+        moe_ops.set_recompute(prev)
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("T", [1, 8, 128, 4096])
 def test_cuda_graph_capture_route_dispatch(T):
     """Route + dispatch captured in a CUDA graph and replayed on new inputs: bitwise the eager

@@ -941,6 +941,27 @@ def test_persistent_weight_grads_many_experts(interpreter, monkeypatch):
     assert persistent[1][torch.unique(args[4])].abs().sum() > 0, seed   # the experts hit
 
 
+@needs_interpreter
+@pytest.mark.parametrize("field,value", [("wg_chunk", 3), ("wg_chunk", 64), ("wg_chunk", 0),
+                                         ("wg_split", 3)])
+def test_persistent_weight_grads_bad_config(interpreter, field, value):
+    """A persistent weight-gradient config the kernel cannot run is a ValueError naming the
+    field, not a compile error or a silently wrong store."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch_backward as db
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    T, H, I, E, K = 4, 16, 16, 3, 2
+    args, g = _inputs(T, H, I, E, K, routing="uniform", seed=0, dtype=torch.float16)
+    go = torch.randn(T, H, generator=g).to(torch.float16)
+    cfg = dispatch_config(T, E, K, H, I, "cpu", torch.float16)
+    bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float16), wg_persistent=True,
+                             **{field: value})
+    with pytest.raises(ValueError, match=field):
+        db.dispatch_backward_triton(go, *args, config=cfg, bwd_config=bc)
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. the warp-specialised kernels' launchers (interpreted)
 

@@ -130,6 +130,11 @@ def _weight_grad_persistent(left, right, out, al, bc, prec, bk) -> bool:
     descriptors are legal here (weight_desc: 16-byte aligned rows, sm_90+ or the interpreter) and
     output block indices that fit the kernel's packed int32 (< 2^15 row blocks, < 2^16 column
     blocks). Returns whether it ran."""
+    if not (1 <= bc.wg_chunk <= 32 and bc.wg_chunk & (bc.wg_chunk - 1) == 0):
+        raise ValueError(f"BackwardConfig.wg_chunk must be a power of two in [1, 32], got "
+                         f"{bc.wg_chunk}")
+    if bc.wg_split not in (1, 2, 4):
+        raise ValueError(f"BackwardConfig.wg_split must be 1, 2 or 4, got {bc.wg_split}")
     if left.dtype not in (torch.bfloat16, torch.float16):
         return False
     E, M, N = out.shape

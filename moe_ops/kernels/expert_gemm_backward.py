@@ -15,7 +15,9 @@ swiglu_grad_kernel: from dA and z (saved by the forward, or recomputed by the fo
   dA tile and the elementwise part in one kernel, reached 37% of its floor on Mixtral and was
   2.1 ms slower per layer there: benchmarks/NOTES.md, entry 10.)
 Weight gradients: weight_grad_kernel, one program per (expert, output tile), walking that
-  expert's padded rows in order: float32 accumulation, no atomics, bitwise reproducible.
+  expert's padded rows in order: float32 accumulation, no atomics, bitwise reproducible;
+  weight_grad_persistent_kernel (the 16-bit default on the GPU) makes the same sums with one
+  program per SM walking the output tiles.
 dx: the forward's down_kernel shape of work (dz @ W13_e per row, per slot) then combine_kernel.
 """
 import triton

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moe_ops.kernels.alignment import load_ids
+
 
 @triton.jit
 def grouped_tile(pid, n_row_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -415,9 +417,8 @@ def down_combine_one_token_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     if USE_PDL:
         gdc_wait()
-    ids = tl.load(ids_ptr + rows * stride_ik, mask=rows < TOP_K, other=-1)
-    valid = (ids >= 0) & (ids < E)   # on the ids' own width: an int64 id < -2^31 stays dropped
-    ids = tl.where(valid, ids, 0).to(tl.int32)
+    ids, valid = load_ids(ids_ptr + rows * stride_ik, rows < TOP_K, E)
+    ids = tl.where(valid, ids, 0)
     n_k = tl.cdiv(I, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     a_rows = act_ptr + (rows * BLOCK_M).to(tl.int64)[:, None] * stride_am

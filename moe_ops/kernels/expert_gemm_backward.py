@@ -225,8 +225,7 @@ def weight_grad_persistent_kernel(
                     _store_slice(o_desc, b3, e, m0, n0 + 3 * (BLOCK_N // 4), BLOCK_M,
                                  BLOCK_N // 4)
                 else:
-                    o_desc.store([e, m0, n0], tl.reshape(acc.to(o_desc.dtype),
-                                                         (1, BLOCK_M, BLOCK_N)))
+                    _store_slice(o_desc, acc, e, m0, n0, BLOCK_M, BLOCK_N)
                 acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             j = tl.where(last, j + 1, j)
             step = tl.where(last, 0, step + 1)

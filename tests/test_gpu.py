@@ -51,13 +51,14 @@ def test_parity_benchmark_shapes(name, dtype, T):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("T", [1, 2048])
+@pytest.mark.parametrize("T", [1, 8, 2048])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_parity_path_variants(name, dtype, T):
-    """The heuristic's path switches both ways (TMA weight tiles, the T == 1 direct rows and the
-    combine folded into the down GEMM or done by its last program, programmatic dependent launch,
-    half-height tail tiles, pipeline depth), ids < 0 included, against float64."""
+    """The heuristic's path switches both ways at T = 1, 8 (decode tiles) and 2048 (TMA weight
+    tiles, the T == 1 direct rows and the combine folded into the down GEMM or done by its last
+    program, programmatic dependent launch, half-height tail tiles, pipeline depth), ids < 0
+    included, against float64."""
     from moe_ops.tuning.heuristics import heuristic_config, neighbours
 
     args = _inputs(name, T, dtype, routing="negative", seed=T + 3)

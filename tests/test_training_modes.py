@@ -622,10 +622,12 @@ def test_tma_weight_tiles(interpreter, monkeypatch, H, I, pair, a_tma):
 @pytest.mark.parametrize("routing", ["uniform", "negative"])
 @pytest.mark.parametrize("K", [1, 2, 4])
 def test_direct_rows_one_token(interpreter, monkeypatch, routing, K):
-    """DispatchConfig.direct at T == 1 (slot k is row block k, no alignment launch): output and
-    saved z match float64 with NaN-poisoned scratch, ids < 0 included; at T > 1 it is ignored."""
+    """DispatchConfig.direct (slot s is row block s, no alignment launch): output and saved z
+    match float64 with NaN-poisoned scratch, ids < 0 included; at T = 1 (K distinct experts)
+    and at T = 3 (slots sharing experts: 3*K slots over 5 experts)."""
     import dataclasses
 
+    import moe_ops.launch.dispatch as launch
     from moe_ops.launch.dispatch import dispatch_triton
     from moe_ops.tuning.heuristics import dispatch_config
 
@@ -635,10 +637,19 @@ def test_direct_rows_one_token(interpreter, monkeypatch, routing, K):
         cfg = dataclasses.replace(dispatch_config(T, 5, K, 24, 40, "cpu", torch.float32),
                                   direct=True)
         _poison_empty(monkeypatch)
+        monkeypatch.setattr(launch, "align_triton", None)   # the direct path never aligns
         out, z = dispatch_triton(*args, config=cfg, save_z=True)
         assert rel_err(out, _dense_float64(*_double(args))) <= 1e-5, (seed, T)
         assert _z_err(z, args) <= 1e-5, (seed, T)
         monkeypatch.undo()
+    # non-contiguous ids at T > 1 take the aligned path (same result)
+    args, g = _inputs(3, 24, 40, 5, K, routing=routing, seed=seed)
+    ids_t = args[4].t().contiguous().t()
+    assert not ids_t.is_contiguous() or K == 1
+    args = (*args[:4], ids_t)
+    cfg = dataclasses.replace(dispatch_config(3, 5, K, 24, 40, "cpu", torch.float32), direct=True)
+    out = dispatch_triton(*args, config=cfg)
+    assert rel_err(out, _dense_float64(*_double(args))) <= 1e-5, seed
 
 
 @needs_interpreter

@@ -186,6 +186,12 @@ def test_heuristic_path_switches():
             assert c.tma and c.pdl and c.direct == (T == 1), (T, shape, c)
             assert not cfg(T, shape, f32).tma   # float32 TMA tiles never measured
             assert cfg(T, shape, f32).direct == (T == 1)
+    # direct rows for a few tokens over many experts (T * K <= 32, E >= 64; 16-bit only)
+    for T, shape, want in ((2, qwen3, True), (4, qwen3, True), (4, deepseek, True),
+                           (5, qwen3, False), (2, mixtral, False), (16, mixtral, False)):
+        c = cfg(T, shape)
+        assert c.direct == want and not c.fuse_combine, (T, shape, c)
+        assert not cfg(T, shape, f32).direct
     # the folded combine only where cdiv(H, 32) >= 1.5 programs per SM (DeepSeek-V3's H)
     assert cfg(1, deepseek).fuse_combine and cfg(1, deepseek).block_n2 == 32
     assert not cfg(1, qwen3).fuse_combine and not cfg(1, mixtral).fuse_combine

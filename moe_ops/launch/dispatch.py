@@ -42,15 +42,20 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     key = (cfg, save_z, tensor_key(hidden), tensor_key(w13), tensor_key(w2),
            tensor_key(topk_weights), tensor_key(topk_ids), tensor_key(out)) \
         if dev.type == "cuda" else None
-    # One token: its K slots have K distinct experts, so slot k can be row block k as it stands
-    # (no alignment launch; the z of a training forward is per slot either way).
-    al = DirectRows(topk_ids, cfg.block_m) if cfg.direct and T == 1 else \
-        align_triton(topk_ids, E, cfg.block_m, pdl=cfg.pdl)
+    # Direct rows (no alignment launch; the z of a training forward is per slot either way):
+    # slot s is row block s. One token's K slots have K distinct experts, so no weights are read
+    # twice; at T > 1 (a few slots, contiguous ids) slots that share an expert read its tiles
+    # again, from L2 when those programs run together (DirectRows).
     n_slots = T * K
+    if cfg.direct and (T == 1 or (n_slots <= DIRECT_MAX_SLOTS and topk_ids.is_contiguous())):
+        al = DirectRows(topk_ids if T == 1 else topk_ids.view(1, n_slots), cfg.block_m)
+    else:
+        al = align_triton(topk_ids, E, cfg.block_m, pdl=cfg.pdl)
     act = torch.empty(al.max_rows, I, dtype=hidden.dtype, device=dev)
     z = torch.empty(T * K, 2 * I, dtype=hidden.dtype, device=dev) if save_z else None
     direct = isinstance(al, DirectRows)
-    if direct and cfg.fuse_combine and K <= cfg.block_m:
+    group_m = _group_m(cfg, al)
+    if direct and T == 1 and cfg.fuse_combine and K <= cfg.block_m:
         gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl, key=key)
         down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key=key)
         if save_z:
@@ -59,7 +64,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     # One token, combine_last: the down kernel's last program per H tile does the combine, with
     # counters that this call's gate_up kernel zeroes (no combine launch).
     counters = None
-    if direct and cfg.combine_last and K <= 32:
+    if direct and T == 1 and cfg.combine_last and K <= 32:
         counters = torch.empty(cdiv(H, cfg.block_n2), dtype=torch.int32, device=dev)
     gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl, counters=counters,
                    key=key)
@@ -67,7 +72,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     # does; float32 for float32 inputs); the combine sums them in float32 in a fixed order.
     y = torch.empty(n_slots, H, dtype=hidden.dtype, device=dev)
     rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, H, I, n_slots, K,
-                     cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, cfg.group_m,
+                     cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, group_m,
                      weights=topk_weights, tma=cfg.tma, tma_a=cfg.tma_a, pdl=cfg.pdl,
                      half_tail=cfg.half_tail,
                      combine=None if counters is None else (counters, out, topk_ids), key=key,
@@ -122,7 +127,8 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
         n_slots, H, I, top_k,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         act.stride(0), n_blocks, I, zz, zz.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
+        GROUP_M=_group_m(cfg, al),
         DOT_PRECISION=_dot_precision(hidden.dtype), SAVE_Z=z is not None,
         w_desc=w_desc, USE_TMA=w_desc is not None, TMA_PAIR=pair, **direct,
         HALF_TAIL=_half_tail(cfg.half_tail, al), **cnt,
@@ -317,10 +323,13 @@ def down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key
 
 @dataclass
 class DirectRows:
-    """The rows of a T == 1 call without an alignment: row block k is slot k alone (expert
-    topk_ids[0, k]; K distinct experts, so no weights are read twice). The kernels take it in
+    """The rows of a call without an alignment: row block s is slot s alone (expert
+    ids[0, s]). At T == 1 the K slots have K distinct experts, so no weights are read twice; at
+    T > 1 (at most DIRECT_MAX_SLOTS slots) slots may share an expert, and the kernels walk the
+    column tiles with every slot together (_group_m), so the programs that read one expert's
+    tile run at about the same time and all but the first find it in L2. The kernels take it in
     place of an Alignment (DIRECT=True); its table fields are unused placeholders."""
-    ids: torch.Tensor   # topk_ids [1, K]
+    ids: torch.Tensor   # topk_ids [1, K] (any strides), or a [1, T*K] view of contiguous ids
     block_m: int
 
     @property
@@ -332,6 +341,20 @@ class DirectRows:
         return self.ids
 
     block_expert = num_rows = sorted_slots
+
+
+# Direct rows at T > 1 only up to this many slots (the grouping below makes the slot count a
+# compile-time constant, rounded up to a power of two).
+DIRECT_MAX_SLOTS = 256
+
+
+def _group_m(cfg, al) -> int:
+    """GROUP_M of the GEMM grids: with direct rows every row block (slot) walks the column
+    tiles together (the blocks of one expert share its weight tiles through L2); else the
+    config's."""
+    if isinstance(al, DirectRows):
+        return max(cfg.group_m, next_pow2(al.ids.shape[1]))
+    return cfg.group_m
 
 
 def _pdl_args(pdl: bool, device: torch.device) -> dict:

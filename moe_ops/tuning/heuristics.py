@@ -177,6 +177,16 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
     # +6/+11%, Mixtral (128) +2% (entry 17).
     # Elsewhere at T=1 the down kernel's last program per H tile does the combine (entry 18:
     # Qwen3 34.5 -> 34.1 us, OLMoE 42.0 -> 41.2, Qwen3 zipf 35.7 -> 34.9, Mixtral unchanged).
+    # A few tokens over many experts (T * K <= 32, E >= 64, 16-bit): direct rows as well, slot s
+    # as row block s, no alignment launch. Slots that share an expert read its weight tiles again
+    # (from L2: the grids walk column tiles with every slot together), which costs ~1/4 of a
+    # weight-streaming program each; below ~12% shared slots that is less than the ~7 us
+    # alignment launch. H200, graph replay (NOTES.md entry 36): T=2 Qwen3 56.8 -> 54.0 us,
+    # zipf 53.6 -> 48.9, OLMoE 63.5 -> 60.9, DeepSeek-V3 336.5 -> 333.1; T=4 Qwen3 89.8 ->
+    # 86.8, OLMoE 95.5 -> 93.1, DeepSeek-V3 611.1 -> 604.5, zipf 65.1 -> 66.3; T=8 Qwen3 and
+    # DeepSeek-V3 +0.4 / +0.2%, OLMoE +9%; Mixtral (8 experts) T=2 +6%.
+    if 1 < T and T * K <= 32 and E >= 64 and not wide:
+        cfg = replace(cfg, direct=True)
     if T == 1:
         cfg = replace(cfg, direct=True)
         if not wide and H >= 32 * 198:

@@ -170,6 +170,22 @@ def test_route_minus_inf_logits_distinct_ids(kw):
     torch.testing.assert_close(w.double(), w_ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("T", [1, 300])
+def test_route_grouped_minus_inf_bias(T):
+    """Group-limited selection with -inf bias entries (fewer groups of finite score than
+    topk_groups): the reference's ids and weights (the kernel once picked a chosen group
+    again)."""
+    g = torch.Generator(device="cuda").manual_seed(9)
+    logits = torch.randn(T, 64, device="cuda", generator=g)
+    bias = torch.where(torch.rand(64, device="cuda", generator=g) < 0.8, float("-inf"), 0.0)
+    for groups, topk_groups in ((8, 8), (8, 6), (4, 4)):
+        w, ids = torch.ops.moe.route(logits, 4, "sigmoid", True, bias, groups, topk_groups)
+        w_ref, ids_ref = route_reference(logits.double(), 4, "sigmoid", True, bias.double(),
+                                         groups, topk_groups)
+        assert torch.equal(ids, ids_ref), (groups, topk_groups)
+        torch.testing.assert_close(w.double(), w_ref, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("T", [1, 8, 300])
 def test_int64_ids_wrapping_in_int32_dropped(T):
     """int64 ids out of range whose low 32 bits name a valid expert are dropped like -1: the

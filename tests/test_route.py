@@ -1,4 +1,6 @@
 """moe.route: parity with the float64 reference, interpreter kernels, gradients, errors, opcheck."""
+import random
+
 import pytest
 import torch
 
@@ -94,6 +96,44 @@ def test_minus_inf_logits_give_distinct_ids(path, scoring, renormalize, request)
     finite = torch.isfinite(s).all(-1)   # softmax of an all -inf row is NaN: ids only there
     torch.testing.assert_close(w.double()[finite], expect_w[finite], rtol=1e-6, atol=1e-7,
                                equal_nan=True)
+
+
+@pytest.mark.parametrize("path", ["reference_path", "interpreter"])
+def test_grouped_selection_with_minus_inf_bias(path, request):
+    """Fewer groups with a finite score than topk_groups (-inf bias entries): every allowed
+    group stays allowed (the kernel once picked a chosen group again, dropped the best expert
+    and picked a masked one), and both paths agree with the float64 reference."""
+    request.getfixturevalue(path)
+    inf = float("inf")
+    w, ids = torch.ops.moe.route(torch.tensor([[0.0, 0.0, 2.0, 0.0]]), 2, "sigmoid", True,
+                                 torch.tensor([0.0, -inf, 0.0, -inf]), 2, 2, 1.0)
+    assert ids.tolist() == [[2, 0]], ids
+    s = torch.tensor([0.0, 2.0]).double().sigmoid()
+    torch.testing.assert_close(w.double(), (s[[1, 0]] / s.sum())[None], rtol=1e-6, atol=1e-7)
+    seed = random.SystemRandom().randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    E = 8
+    for num_groups, topk_groups, k in ((2, 2, 3), (4, 3, 2), (4, 4, 4), (8, 5, 3), (4, 2, 2)):
+        logits = torch.randn(6, E, generator=g)
+        bias = torch.zeros(E)
+        bias[torch.randperm(E, generator=g)[:5]] = -inf
+        w, ids = torch.ops.moe.route(logits, k, "sigmoid", True, bias, num_groups, topk_groups)
+        w_ref, ids_ref = route_reference(logits.double(), k, "sigmoid", True, bias.double(),
+                                         num_groups, topk_groups)
+        assert torch.equal(ids, ids_ref), (seed, num_groups, topk_groups, k, ids, ids_ref)
+        torch.testing.assert_close(w.double(), w_ref, rtol=1e-6, atol=1e-7)
+
+
+def test_transposed_logits_give_contiguous_outputs():
+    """A transposed view of the logits: contiguous [T, K] outputs on the reference path, as on
+    the kernel path and in the fake implementation (torch.compile asserts the strides)."""
+    logits = torch.randn(16, 6).t()
+    w, ids = torch.ops.moe.route(logits, 3)
+    assert w.is_contiguous() and ids.is_contiguous() and ids.stride() == (3, 1)
+    fn = torch.compile(lambda x: torch.ops.moe.route(x.t(), 3)[1] + 0, fullgraph=True,
+                       backend="aot_eager")
+    x = torch.randn(16, 6)
+    assert torch.equal(fn(x), torch.ops.moe.route(x.t(), 3)[1])
 
 
 def test_bf16_logits_and_strided(interpreter):

@@ -1185,3 +1185,19 @@ def test_ws_kernels_fall_back_when_they_do_not_compile(interpreter, monkeypatch)
     monkeypatch.setattr(launch, "_WS_REJECTED", set())
     with pytest.raises(ValueError, match="not a compile failure"):
         launch.dispatch_triton(*args, config=ws_cfg)
+
+
+@pytest.mark.parametrize("path", ["reference_path", "interpreter"])
+def test_backward_without_experts_is_zero(path, request):
+    """E = 0 (so K = 0): the forward is zeros and every gradient is zero on both paths (the
+    Triton backward once divided by E)."""
+    request.getfixturevalue(path)
+    h = torch.randn(5, 8, requires_grad=True)
+    w13 = torch.zeros(0, 8, 8, requires_grad=True)
+    w2 = torch.zeros(0, 8, 4, requires_grad=True)
+    tw = torch.rand(5, 0, requires_grad=True)
+    out = torch.ops.moe.dispatch(h, w13, w2, tw, torch.zeros(5, 0, dtype=torch.int32))
+    assert torch.equal(out, torch.zeros(5, 8))
+    (out * torch.randn(5, 8)).sum().backward()
+    assert torch.equal(h.grad, torch.zeros(5, 8))
+    assert w13.grad.shape == w13.shape and w2.grad.shape == w2.shape and tw.grad.shape == (5, 0)

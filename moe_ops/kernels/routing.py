@@ -56,12 +56,18 @@ def route_kernel(
             m2 = tl.max(v2, axis=1)
             gs = tl.where(group_size > 1, m1 + m2, m1)
             gscore = tl.where(gidx[None, :] == g, gs[:, None], gscore)
+        # Chosen groups are tracked in a mask, as the experts below: with fewer groups of
+        # finite score than topk_groups (-inf bias entries), marking a chosen group -inf let
+        # the next pick take it again and leave an allowed group out.
         keep = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
+        gavail = tl.broadcast_to((gidx < num_groups)[None, :], (BLOCK_T, BLOCK_G))
         for j in range(topk_groups):
-            gm = tl.max(gscore, axis=1)
-            gi = tl.min(tl.where(gscore == gm[:, None], gidx[None, :], BLOCK_G), axis=1)
+            gm = tl.max(tl.where(gavail, gscore, float("-inf")), axis=1)
+            gi = tl.min(tl.where(gavail & (gscore == gm[:, None]), gidx[None, :], BLOCK_G), axis=1)
+            first_free = tl.min(tl.where(gavail, gidx[None, :], BLOCK_G), axis=1)
+            gi = tl.where(gi < BLOCK_G, gi, first_free)
             keep = tl.where(grp[None, :] == gi[:, None], 1, keep)
-            gscore = tl.where(gidx[None, :] == gi[:, None], float("-inf"), gscore)
+            gavail = gavail & (gidx[None, :] != gi[:, None])
         sel = tl.where(keep != 0, sel, float("-inf"))
 
     kidx = tl.arange(0, BLOCK_K)

@@ -35,8 +35,8 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     dw13 = torch.empty(w13.shape, dtype=w13.dtype, device=dev)
     dw2 = torch.empty(w2.shape, dtype=w2.dtype, device=dev)
     dweights = torch.zeros(topk_weights.shape, dtype=topk_weights.dtype, device=dev)
-    if T == 0:
-        return dx, dw13.zero_(), dw2.zero_(), dweights
+    if T * K == 0 or E == 0:   # no slot reaches an expert: every gradient is zero
+        return dx.zero_(), dw13.zero_(), dw2.zero_(), dweights
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, dt)
     bc = bwd_config or backward_config(cfg, dev.type, dt, rows_per_expert=T * K / E,
                                         inter_size=I)

@@ -71,4 +71,7 @@ def route_samples(device="cpu", requires_grad=False):
         ((logits(5, 16, torch.bfloat16), 4), {"scoring": "sigmoid", "bias": bias, "num_groups": 4,
                                                 "topk_groups": 2, "scale": 2.5}),
         ((logits(9, 10), 10), {}),
+        # a transposed view of the logits (the outputs are contiguous all the same)
+        ((torch.randn(12, 6, generator=g, device=device).t().requires_grad_(requires_grad), 3),
+         {"bias": bias[:12]}),
     ]

@@ -45,7 +45,9 @@ def route_reference(router_logits, top_k, scoring="softmax", renormalize=True, b
         w = w / w.sum(dim=-1, keepdim=True)
     w = w * scale
     out_dtype = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
-    return w.to(out_dtype), ids.to(torch.int32)
+    # contiguous [T, K] as the kernel and the fake impl (a transposed logits view sorts into
+    # column-major indices)
+    return w.to(out_dtype).contiguous(), ids.to(torch.int32).contiguous()
 
 
 def route_backward_reference(grad_w, router_logits, topk_ids, scoring, renormalize, bias,

@@ -180,8 +180,9 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
     # A few tokens over many experts (T * K <= 32, E >= 64, 16-bit): direct rows as well, slot s
     # as row block s, no alignment launch. Slots that share an expert read its weight tiles again
     # (from L2: the grids walk column tiles with every slot together), which costs ~1/4 of a
-    # weight-streaming program each; below ~12% shared slots that is less than the ~7 us
-    # alignment launch. H200, graph replay (NOTES.md entry 36): T=2 Qwen3 56.8 -> 54.0 us,
+    # weight-streaming program each; with up to ~20% of the slots shared (uniform routing at
+    # T * K <= 32 on 64+ experts) that is less than the ~7 us alignment launch, with ~30% and
+    # more it is not. H200, graph replay (NOTES.md entry 36): T=2 Qwen3 56.8 -> 54.0 us,
     # zipf 53.6 -> 48.9, OLMoE 63.5 -> 60.9, DeepSeek-V3 336.5 -> 333.1; T=4 Qwen3 89.8 ->
     # 86.8, OLMoE 95.5 -> 93.1, DeepSeek-V3 611.1 -> 604.5, zipf 65.1 -> 66.3; T=8 Qwen3 and
     # DeepSeek-V3 +0.4 / +0.2%, OLMoE +9%; Mixtral (8 experts) T=2 +6%.

@@ -40,7 +40,7 @@ import moe_ops  # noqa: E402  (registers torch.ops.moe.*)
 from moe_ops import _baselines as bl  # noqa: E402
 from moe_ops import bench as bm  # noqa: E402
 from moe_ops._cli import device as cli_device  # noqa: E402
-from moe_ops._cli import token_count  # noqa: E402
+from moe_ops._cli import output_file, positive, token_count  # noqa: E402
 from moe_ops.reference import dispatch_backward_reference  # noqa: E402
 
 SHAPE_NAMES = ["mixtral_8x7b", "qwen3_30b_a3b", "qwen3_30b_a3b_zipf", "deepseek_v3_routed"]
@@ -456,6 +456,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     opts = p.parse_args(argv)
     opts.device = cli_device(p, opts.device)
+    positive(p, opts, "warmup_ms", "rep_ms", "max_step_ms", "max_gib", "ref_chunk_gib")
+    output_file(p, "--csv", opts.csv)   # checked now: the run can take an hour
+    output_file(p, "--md", opts.md)
     return opts
 
 

@@ -263,7 +263,8 @@ def compare(a: Run, b: Run, rel_tol: float) -> tuple[bool, str]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=16)

@@ -59,7 +59,8 @@ def bench(fn, device, reps):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokens", type=int, default=None)
     args = p.parse_args()
     if args.tokens is not None and args.tokens < 1:   # 0 must not fall back to the default

@@ -4,6 +4,7 @@ traceback from deep inside a run."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -39,3 +40,34 @@ def device(parser: argparse.ArgumentParser, name: str | None, flag: str = "--dev
             parser.error(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA "
                          "device(s)")
     return dev
+
+
+def output_file(parser: argparse.ArgumentParser, flag: str, path: str | None,
+                suffixes: tuple[str, ...] | None = None) -> None:
+    """Refuse, before a run of minutes or hours, an output file that could not be written at
+    its end: a missing parent directory, a path that is a directory, or (`suffixes`) a suffix
+    the writer does not know."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        parser.error(f"{flag} {path}: is a directory (give a file path)")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        parser.error(f"{flag} {path}: no such directory")
+    if suffixes is not None:
+        ext = os.path.splitext(path)[1].lstrip(".").lower()
+        if ext not in suffixes:
+            parser.error(f"{flag} {path}: the file type must be one of {', '.join(suffixes)}")
+
+
+def output_dir(parser: argparse.ArgumentParser, flag: str, path: str | None) -> None:
+    """An output directory: absent (it is created) or a directory, never an existing file."""
+    if path and os.path.exists(path) and not os.path.isdir(path):
+        parser.error(f"{flag} {path}: exists and is not a directory")
+
+
+def positive(parser: argparse.ArgumentParser, opts, *names: str) -> None:
+    """Each named option (attribute names) None or > 0."""
+    for name in names:
+        v = getattr(opts, name)
+        if v is not None and v <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {v}")

@@ -21,13 +21,26 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+_TRUE_WORDS = ("1", "true", "yes", "on", "y")
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """A boolean environment switch read as Triton reads its own (TRITON_INTERPRET): on for
+    1 / true / yes / on / y (any case), off for anything else ("0", "false", "no", "off", "");
+    `default` when the variable is unset."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in _TRUE_WORDS
+
+
 def interpret_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return env_flag("TRITON_INTERPRET")
 
 
 def checks_enabled() -> bool:
     """MOE_OPS_CHECK=1 turns on data-dependent checks (id range); they cost a host sync."""
-    return os.environ.get("MOE_OPS_CHECK", "0") not in ("", "0")
+    return env_flag("MOE_OPS_CHECK")
 
 
 _recompute: bool | None = None
@@ -36,7 +49,7 @@ _recompute: bool | None = None
 def recompute_enabled() -> bool:
     """Training memory mode of moe.dispatch (set_recompute / MOE_OPS_RECOMPUTE=1)."""
     if _recompute is None:
-        return os.environ.get("MOE_OPS_RECOMPUTE", "0") not in ("", "0")
+        return env_flag("MOE_OPS_RECOMPUTE")
     return _recompute
 
 
@@ -169,7 +182,7 @@ def kernel_for(kernel, device: torch.device, key=None):
     specialisation of the launch: moe_ops.launch.fast), CUDA launches after the first with that
     key skip Triton's argument binding (MOE_OPS_FAST_LAUNCH=0 turns that off)."""
     if device.type != "cpu":
-        if key is None or os.environ.get("MOE_OPS_FAST_LAUNCH", "1") in ("", "0"):
+        if key is None or not env_flag("MOE_OPS_FAST_LAUNCH", True):
             return kernel
         from moe_ops.launch.fast import FastLaunch
 

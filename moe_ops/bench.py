@@ -33,7 +33,7 @@ import torch
 import moe_ops  # registers torch.ops.moe.*
 from moe_ops import _baselines as bl
 from moe_ops._cli import device as cli_device
-from moe_ops._cli import token_count
+from moe_ops._cli import output_file, positive, token_count
 from moe_ops.reference import dispatch_reference
 
 
@@ -742,20 +742,18 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     opts = p.parse_args(argv)
     opts.device = cli_device(p, opts.device)
-    for flag in ("warmup_ms", "rep_ms", "max_call_ms"):
-        v = getattr(opts, flag)
-        if v is not None and v <= 0:
-            p.error(f"--{flag.replace('_', '-')} must be > 0, got {v}")
+    positive(p, opts, "warmup_ms", "rep_ms", "max_call_ms")
     # Refuse before benchmarking (minutes) what would fail only when the results are written.
+    plot_types = None
     if opts.plot:
         try:
-            import matplotlib.figure  # noqa: F401
+            import matplotlib.figure
         except ImportError:
             p.error("--plot needs matplotlib: pip install matplotlib")
-    for flag in ("csv", "md", "plot"):
-        path = getattr(opts, flag)
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            p.error(f"--{flag} {path}: no such directory")
+        plot_types = tuple(matplotlib.figure.Figure().canvas.get_supported_filetypes())
+    output_file(p, "--csv", opts.csv)
+    output_file(p, "--md", opts.md)
+    output_file(p, "--plot", opts.plot, plot_types)
     return opts
 
 

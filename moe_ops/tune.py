@@ -22,7 +22,7 @@ import torch
 
 import moe_ops  # noqa: F401  (registers the ops)
 from moe_ops._cli import device as cli_device
-from moe_ops._cli import token_count
+from moe_ops._cli import output_dir, token_count
 from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.ops.samples import make_dispatch_inputs
 from moe_ops.tuning.heuristics import DispatchConfig, heuristic_config, neighbours
@@ -119,6 +119,7 @@ def main(argv=None):
     if not shapes:
         p.error("give --shapes and/or --shape H,I,E,K")
     device = cli_device(p, args.device)
+    output_dir(p, "--out-dir", args.out_dir)
     dtype = getattr(torch, args.dtype)
     if device.type == "cpu":
         from moe_ops._runtime import interpret_enabled, require_interpreter

@@ -113,6 +113,44 @@ def test_output_directory_is_checked_before_benchmarking(tmp_path):
 
 
 @pytest.mark.parametrize("module,args,message", [
+    ("moe_ops.bench", ["--csv", "{tmp}"], "--csv {tmp}: is a directory"),
+    ("moe_ops.bench", ["--md", "{tmp}"], "--md {tmp}: is a directory"),
+    ("moe_ops.bench", ["--plot", "{tmp}/x.txt"], "the file type must be one of"),
+    ("bench_train", ["--md", "{tmp}/missing/x.md"], "no such directory"),
+    ("bench_train", ["--csv", "{tmp}"], "--csv {tmp}: is a directory"),
+    ("bench_train", ["--rep-ms", "0"], "--rep-ms must be > 0"),
+    ("moe_ops.tune", ["--out-dir", "{tmp}/afile"], "exists and is not a directory"),
+])
+def test_cli_output_paths_checked_before_the_run(module, args, message, tmp_path, capsys,
+                                                 monkeypatch):
+    """Output paths that could only fail when the results are written (a directory given as
+    a file, an unknown plot type, a file given as the table directory) are usage errors at
+    once, before a run of minutes or hours."""
+    (tmp_path / "afile").write_text("")
+    args = [a.format(tmp=tmp_path) for a in args]
+    if module == "moe_ops.bench":
+        pytest.importorskip("matplotlib") if "--plot" in args else None
+        from moe_ops import bench as mod
+        call = lambda: mod.parse_args(["--tiny"] + args)   # noqa: E731
+    elif module == "bench_train":
+        spec = importlib.util.spec_from_file_location("bench_train",
+                                                      ROOT / "benchmarks" / "bench_train.py")
+        mod = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, "bench_train", mod)   # its dataclasses look it up
+        spec.loader.exec_module(mod)
+        call = lambda: mod.parse_args(["--tiny"] + args)   # noqa: E731
+    else:
+        from moe_ops import tune as mod
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        call = lambda: mod.main(["--device", "cpu", "--shape", "16,16,4,2", "--tokens", "1"]  # noqa
+                                + args)
+    with pytest.raises(SystemExit) as exc:
+        call()
+    assert exc.value.code == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module,args,message", [
     ("bench", ["--tiny", "--tokens", "0"], "a token count must be >= 1, got 0"),
     ("bench", ["--tiny", "--device", "foo"], "--device foo: not a device"),
     ("bench", ["--tiny", "--rep-ms", "0"], "--rep-ms must be > 0"),
@@ -162,6 +200,8 @@ def test_cli_cuda_without_cuda(module, capsys):
     ("train_moe.py", ["--branching", "0"], "--branching must be >= 1"),
     ("hf_mixtral.py", ["--layers", "0"], "--layers must be >= 1"),
     ("cuda_graph_decode.py", ["--prompt-len", "0"], "--prompt-len must be >= 1"),
+    ("quickstart.py", ["--device", "foo"], "invalid choice: 'foo'"),
+    ("cuda_graph_decode.py", ["--device", "foo"], "invalid choice: 'foo'"),
 ])
 def test_examples_reject_zero_counts(script, args, message):
     """An explicit 0 is a usage error, not a silent fall-back to the default (the examples

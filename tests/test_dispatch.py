@@ -388,3 +388,34 @@ def test_interpreter_bfloat16_is_correct(interpreter):
 def test_many_slots_per_token(interpreter):
     # K = E = 40 (contract: any K <= E), including dropped ids.
     _check(5, 8, 6, 40, 40, torch.float32, "negative", seed=8)
+
+
+@pytest.mark.parametrize("path", ["reference_path", "interpreter"])
+def test_errors_internal_backward_ops(path, request):
+    """moe.dispatch_backward / moe.dispatch_backward_saved called directly (autograd always
+    passes consistent tensors): a grad_out or z of the wrong shape or dtype, or bad forward
+    arguments, raise naming the argument (a grad_out with fewer rows was read out of bounds
+    by the kernels), in the real and the fake implementations."""
+    request.getfixturevalue(path)
+    h, w13, w2, w, ids = make_dispatch_inputs(5, 8, 6, 4, 2)
+    g = torch.randn(5, 8)
+    z = torch.zeros(10, 12)
+    bw, bws = torch.ops.moe.dispatch_backward, torch.ops.moe.dispatch_backward_saved
+    cases = [
+        (lambda: bw(g[:3].clone(), h, w13, w2, w, ids), ValueError, "grad_out must have shape"),
+        (lambda: bw(g.half(), h, w13, w2, w, ids), TypeError, "grad_out must have hidden's dtype"),
+        (lambda: bw(g, h, w13, w2, w, ids.float()), TypeError, "topk_ids"),
+        (lambda: bw(g, h, w13[:, :10], w2, w, ids), ValueError, "w13"),
+        (lambda: bw(g, h, w13, w2, w, ids, "gelu"), ValueError, "activation"),
+        (lambda: bws(g, z[:3], h, w13, w2, w, ids), ValueError, "z must have shape"),
+        (lambda: bws(g, z.half(), h, w13, w2, w, ids), TypeError, "z must have hidden's dtype"),
+    ]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+        with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(exc, match=match):
+            call()
+    assert bw(g, h, w13, w2, w, ids)[0].shape == (5, 8)
+    assert bws(g, z, h, w13, w2, w, ids)[1].shape == w13.shape

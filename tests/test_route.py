@@ -307,3 +307,7 @@ def test_python_api_numpy_scalars():
                         topk_groups=np.int16(2))
     want = moe_ops.route(logits, 3, scale=1.5, num_groups=2, topk_groups=2)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # numpy booleans too (numpy 2 names its type "bool": the error once read "got bool")
+    got = moe_ops.route(logits, 3, renormalize=np.bool_(False))
+    want = moe_ops.route(logits, 3, renormalize=False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

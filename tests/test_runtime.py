@@ -110,3 +110,20 @@ except ImportError as exc:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env=env_without_interpreter())
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.stdout[-500:], r.stderr[-800:])
+
+
+def test_env_flags_read_as_triton_reads_them(monkeypatch):
+    """MOE_OPS_* switches (and TRITON_INTERPRET, for moe_ops' own use) are on for the words
+    Triton takes as true and off for "false", "no", "off", "0" and "" (those were once on)."""
+    from moe_ops._runtime import checks_enabled, env_flag, interpret_enabled, recompute_enabled
+
+    for value, on in (("1", True), ("true", True), ("YES", True), ("on", True), ("y", True),
+                      ("0", False), ("false", False), ("no", False), ("off", False), ("", False),
+                      ("2", False)):
+        monkeypatch.setenv("MOE_OPS_RECOMPUTE", value)
+        monkeypatch.setenv("MOE_OPS_CHECK", value)
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert recompute_enabled() == checks_enabled() == interpret_enabled() == on, value
+        assert triton.knobs.runtime.interpret == on, value   # Triton agrees
+    monkeypatch.delenv("MOE_OPS_FAST_LAUNCH", raising=False)
+    assert env_flag("MOE_OPS_FAST_LAUNCH", True) and not env_flag("MOE_OPS_FAST_LAUNCH")

@@ -14,13 +14,14 @@ JIT on every such launch which kernel it would have run, and raises if that is a
 from __future__ import annotations
 
 import inspect
-import os
+
+from moe_ops._runtime import env_flag
 
 _EMPTY = inspect.Parameter.empty
 
 
 def verify_enabled() -> bool:
-    return os.environ.get("MOE_OPS_VERIFY_LAUNCH", "0") not in ("", "0")
+    return env_flag("MOE_OPS_VERIFY_LAUNCH")
 
 
 class _Site:

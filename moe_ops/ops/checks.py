@@ -116,6 +116,24 @@ def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation):
         raise ValueError(f"K = topk_ids.shape[1] = {K} must be at most E = {E}")
 
 
+def check_dispatch_backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, activation):
+    """The internal backward ops (moe.dispatch_backward, moe.dispatch_backward_saved): the
+    forward's arguments, grad_out [T, H] and (saved) z [T*K, 2I], both in hidden's dtype on
+    its device. moe.dispatch's autograd always passes such tensors; a direct call with others
+    would read out of bounds in the kernels."""
+    check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation)
+    extra = (("grad_out", grad_out, tuple(hidden.shape), "[T, H]"),)
+    if z is not None:
+        extra += (("z", z, (topk_ids.shape[0] * topk_ids.shape[1], w13.shape[1]), "[T*K, 2I]"),)
+    for name, t, shape, what in extra:
+        _tensor(name, t)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {what} = {list(shape)}, got {tuple(t.shape)}")
+        if t.dtype != hidden.dtype:
+            raise TypeError(f"{name} must have hidden's dtype {hidden.dtype}, got {t.dtype}")
+        check_same_device(hidden=hidden, **{name: t})
+
+
 def check_ids_in_range(topk_ids, num_experts):
     """Data check (host sync): only when MOE_OPS_CHECK=1 and on real tensors."""
     if not checks_enabled() or topk_ids.numel() == 0:

@@ -10,7 +10,8 @@ import torch
 
 from moe_ops._runtime import on_device, recompute_enabled, use_triton
 from moe_ops.ops._registry import _lib, define
-from moe_ops.ops.checks import check_dispatch, check_ids_in_range, check_tensor_args
+from moe_ops.ops.checks import (check_dispatch, check_dispatch_backward, check_ids_in_range,
+                                check_tensor_args)
 from moe_ops.reference.dispatch import dispatch_backward_reference, dispatch_reference
 
 DISPATCH_SCHEMA = (
@@ -56,6 +57,7 @@ def _forward(hidden, w13, w2, topk_weights, topk_ids, activation, save_z):
 
 def _backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, activation):
     """moe.dispatch_backward (z=None: recomputed) and moe.dispatch_backward_saved."""
+    check_dispatch_backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, activation)
     if use_triton(hidden) and hidden.dtype != torch.float64:
         from moe_ops.launch.dispatch_backward import dispatch_backward_triton
 
@@ -99,6 +101,7 @@ def _dispatch_backward_impl(grad_out, hidden, w13, w2, topk_weights, topk_ids, a
 
 @torch.library.register_fake(DISPATCH_BACKWARD)
 def _dispatch_backward_fake(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+    check_dispatch_backward(grad_out, None, hidden, w13, w2, topk_weights, topk_ids, activation)
     return (hidden.new_empty(hidden.shape), w13.new_empty(w13.shape), w2.new_empty(w2.shape),
             topk_weights.new_empty(topk_weights.shape))
 
@@ -124,6 +127,7 @@ def _dispatch_backward_saved_impl(grad_out, z, hidden, w13, w2, topk_weights, to
 @torch.library.register_fake(DISPATCH_BACKWARD_SAVED)
 def _dispatch_backward_saved_fake(grad_out, z, hidden, w13, w2, topk_weights, topk_ids,
                                   activation="silu"):
+    check_dispatch_backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, activation)
     return _dispatch_backward_fake(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation)
 
 

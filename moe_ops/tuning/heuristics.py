@@ -9,6 +9,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from moe_ops._runtime import env_flag
+
 
 @dataclass(frozen=True)
 class DispatchConfig:
@@ -66,7 +68,7 @@ def warp_specialize_enabled() -> bool:
     alone (entry 31). Enabling it warns once. Read when a config is first made
     (configs are memoised: clear_config_cache after changing it). A config passed explicitly is
     used as given."""
-    if os.environ.get("MOE_OPS_WARP_SPECIALIZE", "0") != "1":
+    if not env_flag("MOE_OPS_WARP_SPECIALIZE"):
         return False
     global _ws_warned
     if not _ws_warned:

@@ -107,9 +107,9 @@ def route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
         if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):   # numpy.bool_
             renormalize = bool(renormalize)
         else:
-            raise TypeError(f"renormalize must be a bool, got {kind.__module__}.{kind.__qualname__}"
-                            if kind.__module__ != "builtins" else
-                            f"renormalize must be a bool, got {kind.__name__}")
+            name = kind.__name__ if kind.__module__ == "builtins" else \
+                f"{kind.__module__}.{kind.__qualname__}"
+            raise TypeError(f"renormalize must be a bool, got {name}")
     if bias is not None:
         check_tensor_args(bias=bias)
     return torch.ops.moe.route(router_logits, top_k, scoring, renormalize, bias, num_groups,

@@ -133,11 +133,7 @@ def test_cli_output_paths_checked_before_the_run(module, args, message, tmp_path
         from moe_ops import bench as mod
         call = lambda: mod.parse_args(["--tiny"] + args)   # noqa: E731
     elif module == "bench_train":
-        spec = importlib.util.spec_from_file_location("bench_train",
-                                                      ROOT / "benchmarks" / "bench_train.py")
-        mod = importlib.util.module_from_spec(spec)
-        monkeypatch.setitem(sys.modules, "bench_train", mod)   # its dataclasses look it up
-        spec.loader.exec_module(mod)
+        mod = _import_benchmark_script("bench_train.py", monkeypatch)
         call = lambda: mod.parse_args(["--tiny"] + args)   # noqa: E731
     else:
         from moe_ops import tune as mod
@@ -273,12 +269,18 @@ def test_roofline_series_uses_the_best_time_and_leaves_gaps():
 def test_benchmark_scripts_import(script, monkeypatch):
     """The GPU-only scripts under benchmarks/ are not run here, but they must import against
     the current package (a renamed helper shows up in CI, not on the next GPU session)."""
+    mod = _import_benchmark_script(script, monkeypatch)
+    assert callable(getattr(mod, "main", None)), script
+
+
+def _import_benchmark_script(script, monkeypatch):
+    """benchmarks/<script> imported as a module (benchmarks/ is not a package)."""
     name = f"bench_script_{script[:-3]}"
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / script)
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, name, mod)   # dataclasses look their module up there
     spec.loader.exec_module(mod)
-    assert callable(getattr(mod, "main", None)), script
+    return mod
 
 
 def test_run_gpu_script_parses():

@@ -311,3 +311,18 @@ def test_python_api_numpy_scalars():
     got = moe_ops.route(logits, 3, renormalize=np.bool_(False))
     want = moe_ops.route(logits, 3, renormalize=False)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_rows_per_program_do_not_change_the_result(interpreter):
+    """route_triton's block_t (rows per program; benchmarks/ab_route.py's variants): the same
+    ids and, to float32 rounding, the same weights as the launcher's rule, grouped or not."""
+    g = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+    for E, K, scoring, has_bias, groups, topk_groups in ((128, 8, "softmax", False, 1, 1),
+                                                         (64, 6, "sigmoid", True, 8, 3)):
+        bias = torch.randn(E, generator=g) * 0.1 if has_bias else None
+        x = torch.randn(150, E, generator=g)
+        ref_w, ref_i = route_triton(x, K, scoring, True, bias, groups, topk_groups, 1.0)
+        for bt in (1, 4, 16):
+            w, i = route_triton(x, K, scoring, True, bias, groups, topk_groups, 1.0, block_t=bt)
+            assert torch.equal(i, ref_i), bt
+            torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)

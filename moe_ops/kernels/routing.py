@@ -41,7 +41,8 @@ def route_kernel(
         # softmax and sigmoid are monotone: ranking the logits themselves avoids ties that
         # float32 rounding of exp() would create between close logits.
         sel = x
-    sel = tl.where(col_mask[None, :], sel, float("-inf"))
+    # NaN selection scores count as -inf (the picks below then always find a match)
+    sel = tl.where(col_mask[None, :] & (sel == sel), sel, float("-inf"))
 
     if GROUPED:
         # A group scores the sum of its two best selection scores; keep the topk_groups best.
@@ -64,8 +65,6 @@ def route_kernel(
         for j in range(topk_groups):
             gm = tl.max(tl.where(gavail, gscore, float("-inf")), axis=1)
             gi = tl.min(tl.where(gavail & (gscore == gm[:, None]), gidx[None, :], BLOCK_G), axis=1)
-            first_free = tl.min(tl.where(gavail, gidx[None, :], BLOCK_G), axis=1)
-            gi = tl.where(gi < BLOCK_G, gi, first_free)
             keep = tl.where(grp[None, :] == gi[:, None], 1, keep)
             gavail = gavail & (gidx[None, :] != gi[:, None])
         sel = tl.where(keep != 0, sel, float("-inf"))
@@ -74,15 +73,16 @@ def route_kernel(
     out_w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
     out_i = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
     # Experts already picked are tracked in a mask, not by setting their score to -inf: a row
-    # with fewer finite scores than top_k (-inf logits) would pick a -inf expert twice. Among
-    # equal scores the lowest index wins; a row with no match (NaN scores) takes the lowest
-    # expert not yet picked, so the ids of a row are always distinct and in range.
+    # with fewer finite scores than top_k (-inf logits) would pick a -inf expert twice. With
+    # NaN scores already -inf, every pick matches an available expert: the maximum over the
+    # available ones is never NaN, and when it is -inf the available -inf experts match. Among
+    # equal scores the lowest index wins; the ids of a row are always distinct and in range.
+    # Three row reductions per pick (a fourth, for a first-free fallback, cost ~60% of the
+    # kernel's time at T >= 512: benchmarks/RESULTS.md, seventeenth session).
     avail = tl.broadcast_to(col_mask[None, :], (BLOCK_T, BLOCK_E))
     for j in range(top_k):
         m = tl.max(tl.where(avail, sel, float("-inf")), axis=1)
         i = tl.min(tl.where(avail & (sel == m[:, None]), cols[None, :], BLOCK_E), axis=1)
-        first_free = tl.min(tl.where(avail, cols[None, :], BLOCK_E), axis=1)
-        i = tl.where(i < BLOCK_E, i, first_free)
         hit = cols[None, :] == i[:, None]
         w = tl.sum(tl.where(hit, s, 0.0), axis=1)
         out_w = tl.where(kidx[None, :] == j, w[:, None], out_w)

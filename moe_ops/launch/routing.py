@@ -22,12 +22,15 @@ def route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups, t
     if T == 0:
         return weights, ids
     block_e = next_pow2(E)
-    # Up to 128 tokens: one row per program and one warp (the T=1 kernel, on T programs). The
-    # top-k loop is a chain of row reductions whose length does not shrink with more rows per
-    # program, so rows are better spread over SMs (UNMEASURED: predicted Qwen3 T=8 16.4 -> ~7 us
-    # in a graph, benchmarks/NOTES.md entry 13). Larger T: tiles of up to 64 rows.
+    # Rows per program: one-warp programs of at most 256 scores (no cross-warp barriers in the
+    # chain of row reductions the top-k picks make), one row each up to 512 tokens, then more
+    # rows as T grows (one per 512 tokens, at most 16). Measured on the H200 in CUDA-graph
+    # replay (benchmarks/ab_route.py, RESULTS.md eighteenth session): the old rule of up to 64
+    # rows on 4 warps at T > 128 took 14.5 us at Qwen3 T=512 where one row takes 7.6, 60.8 at
+    # T=32768 where it takes 40.3; OLMoE T=8192 best at 4 rows (10.8 vs 13.0 at one), Mixtral
+    # T=32768 at 16 (7.2 vs 25.3 at one).
     if block_t is None:
-        block_t = 1 if T <= 128 else max(1, min(64, 4096 // block_e, next_pow2(T)))
+        block_t = max(1, min(16, 256 // block_e, next_pow2(T // 512 + 1) // 2))
     grid = (cdiv(T, block_t),)
     # fast launch (CUDA): every argument follows from these
     key = (tensor_key(router_logits), None if bias is None else tensor_key(bias),

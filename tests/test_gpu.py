@@ -170,6 +170,25 @@ def test_route_minus_inf_logits_distinct_ids(kw):
     torch.testing.assert_close(w.double(), w_ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("T", [1, 300, 5000])
+def test_route_nan_logits_rank_first(T):
+    """NaN logits rank first, as torch.topk ranks NaN (the kernel once ranked them last): the
+    float64 reference's ids exactly and its weights, NaN where it has NaN, at one row per
+    program (T <= 512) and several (T = 5000), every scoring, bias and grouping."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    logits = torch.randn(T, 64, device="cuda", generator=g)
+    logits = logits.masked_fill(torch.rand(T, 64, device="cuda", generator=g) < 0.05, float("nan"))
+    logits = logits.masked_fill(torch.rand(T, 64, device="cuda", generator=g) < 0.1, float("-inf"))
+    bias = torch.randn(64, device="cuda", generator=g) * 0.1
+    for kw in ({}, {"scoring": "sigmoid"}, {"scoring": "sigmoid", "bias": bias},
+               {"scoring": "sigmoid", "bias": bias, "num_groups": 8, "topk_groups": 3}):
+        w, ids = torch.ops.moe.route(logits, 6, **kw)
+        ref_kw = {k: v.double() if torch.is_tensor(v) else v for k, v in kw.items()}
+        w_ref, ids_ref = route_reference(logits.double(), 6, **ref_kw)
+        assert torch.equal(ids, ids_ref), kw
+        torch.testing.assert_close(w.double(), w_ref, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
 @pytest.mark.parametrize("T", [1, 300])
 def test_route_grouped_minus_inf_bias(T):
     """Group-limited selection with -inf bias entries (fewer groups of finite score than

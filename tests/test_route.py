@@ -24,10 +24,12 @@ CASES = [
 ]
 
 
-def _check(T, E, K, kw, gen, with_bias=False, dtype=torch.float32, neg_inf=0.0):
+def _check(T, E, K, kw, gen, with_bias=False, dtype=torch.float32, neg_inf=0.0, nan=0.0):
     logits = torch.randn(T, E, generator=gen).to(dtype)
     if neg_inf:   # that fraction of the logits -inf (rows may keep fewer than K finite ones)
         logits = logits.masked_fill(torch.rand(T, E, generator=gen) < neg_inf, float("-inf"))
+    if nan:   # that fraction NaN (ranked first, as torch.topk ranks NaN)
+        logits = logits.masked_fill(torch.rand(T, E, generator=gen) < nan, float("nan"))
     if with_bias:
         kw = dict(kw, bias=torch.randn(E, generator=gen) * 0.05)
     w, ids = torch.ops.moe.route(logits, K, **kw)
@@ -36,7 +38,8 @@ def _check(T, E, K, kw, gen, with_bias=False, dtype=torch.float32, neg_inf=0.0):
     assert w.shape == (T, K) and ids.shape == (T, K)
     assert torch.equal(ids, ids_ref)
     # (NaN where both take 0/0: an all -inf row under softmax, or renormalised zeros)
-    torch.testing.assert_close(w.double(), w_ref, rtol=1e-5, atol=1e-6, equal_nan=bool(neg_inf))
+    torch.testing.assert_close(w.double(), w_ref, rtol=1e-5, atol=1e-6,
+                               equal_nan=bool(neg_inf or nan))
 
 
 @pytest.mark.parametrize("T,E,K,kw", CASES)
@@ -63,7 +66,8 @@ def test_interpreter_hypothesis(T, E, data):
     try:
         _check(T, E, K, {"scoring": scoring, "renormalize": data.draw(st.booleans())},
                torch.Generator().manual_seed(data.draw(st.integers(0, 2**31))),
-               neg_inf=data.draw(st.sampled_from([0.0, 0.0, 0.5, 0.9])))
+               neg_inf=data.draw(st.sampled_from([0.0, 0.0, 0.5, 0.9])),
+               nan=data.draw(st.sampled_from([0.0, 0.0, 0.0, 0.1, 0.5])))
     finally:
         if old is None:
             del os.environ["TRITON_INTERPRET"]
@@ -96,6 +100,34 @@ def test_minus_inf_logits_give_distinct_ids(path, scoring, renormalize, request)
     finite = torch.isfinite(s).all(-1)   # softmax of an all -inf row is NaN: ids only there
     torch.testing.assert_close(w.double()[finite], expect_w[finite], rtol=1e-6, atol=1e-7,
                                equal_nan=True)
+
+
+@pytest.mark.parametrize("path", ["reference_path", "interpreter"])
+def test_nan_logits_rank_first_and_reach_the_weights(path, request):
+    """A NaN logit ranks first, as torch.topk ranks NaN (ties with +inf and other NaNs by
+    index), so the NaN reaches the weights (and the output) instead of being routed around;
+    the kernel once ranked NaN last, disagreeing with the reference. Random NaN / -inf
+    patterns: both paths give the float64 reference's ids exactly, every scoring, bias and
+    grouping."""
+    request.getfixturevalue(path)
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[0.5, nan, 0.1, 0.3], [nan, 2.0, nan, -1.0]])
+    w, ids = torch.ops.moe.route(logits, 2, "sigmoid", False)
+    assert ids.tolist() == [[1, 0], [0, 2]], ids
+    assert torch.isnan(w[0, 0]) and w[0, 1].item() == pytest.approx(torch.tensor(0.5).sigmoid().item())
+    assert torch.isnan(w[1]).all()
+    # a bias of +inf ties with NaN: the lower index first
+    w, ids = torch.ops.moe.route(torch.tensor([[0.0, 0.0, nan, 1.0]]), 3, "sigmoid", True,
+                                 torch.tensor([0.0, inf, 0.0, 0.0]))
+    assert ids.tolist() == [[1, 2, 3]], ids
+    # a group whose two best are NaN (+inf) and -inf: the group scores NaN, ranked first
+    w, ids = torch.ops.moe.route(torch.tensor([[nan, 0.0, 3.0, 2.0]]), 1, "sigmoid", True,
+                                 torch.tensor([0.0, -inf, 0.0, 0.0]), 2, 1)
+    assert ids.tolist() == [[0]], ids
+    gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+    for T, E, K, kw in CASES:
+        for with_bias in (False, True):
+            _check(T, E, K, kw, gen, with_bias, neg_inf=0.2, nan=0.15)
 
 
 @pytest.mark.parametrize("path", ["reference_path", "interpreter"])

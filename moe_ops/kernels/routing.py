@@ -41,8 +41,11 @@ def route_kernel(
         # softmax and sigmoid are monotone: ranking the logits themselves avoids ties that
         # float32 rounding of exp() would create between close logits.
         sel = x
-    # NaN selection scores count as -inf (the picks below then always find a match)
-    sel = tl.where(col_mask[None, :] & (sel == sel), sel, float("-inf"))
+    # NaN selection scores rank as +inf, first as torch.topk ranks NaN (ties by index): a NaN
+    # logit reaches the weights and the output instead of being silently routed around, and
+    # with no NaN left the picks below always find a match.
+    sel = tl.where(sel == sel, sel, float("inf"))
+    sel = tl.where(col_mask[None, :], sel, float("-inf"))
 
     if GROUPED:
         # A group scores the sum of its two best selection scores; keep the topk_groups best.
@@ -56,6 +59,7 @@ def route_kernel(
             v2 = tl.where(cols[None, :] == i1[:, None], float("-inf"), v)
             m2 = tl.max(v2, axis=1)
             gs = tl.where(group_size > 1, m1 + m2, m1)
+            gs = tl.where(gs == gs, gs, float("inf"))   # +inf + -inf: ranks as NaN does
             gscore = tl.where(gidx[None, :] == g, gs[:, None], gscore)
         # Chosen groups are tracked in a mask, as the experts below: with fewer groups of
         # finite score than topk_groups (-inf bias entries), marking a chosen group -inf let
@@ -74,7 +78,7 @@ def route_kernel(
     out_i = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
     # Experts already picked are tracked in a mask, not by setting their score to -inf: a row
     # with fewer finite scores than top_k (-inf logits) would pick a -inf expert twice. With
-    # NaN scores already -inf, every pick matches an available expert: the maximum over the
+    # no NaN left in sel, every pick matches an available expert: the maximum over the
     # available ones is never NaN, and when it is -inf the available -inf experts match. Among
     # equal scores the lowest index wins; the ids of a row are always distinct and in range.
     # Three row reductions per pick (a fourth, for a first-free fallback, cost ~60% of the

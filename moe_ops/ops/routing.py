@@ -94,7 +94,12 @@ def route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
           topk_groups: int = 1, scale: float = 1.0):
     """Python entry point of `torch.ops.moe.route` (same arguments, keyword-friendly). The
     scalar arguments' types are checked here: torch.ops.moe.route itself rejects a float top_k
-    in the dispatcher with a RuntimeError and takes a bool as an int."""
+    in the dispatcher with a RuntimeError and takes a bool as an int.
+
+    Non-finite logits: -inf experts come last (a row with fewer finite scores than top_k
+    still gets distinct ids); a NaN selection score ranks first, as torch.topk ranks NaN (ties
+    with +inf by index), so a NaN logit shows up in the weights and the layer's output instead
+    of being routed around. CPU reference and Triton kernel pick the same ids."""
     check_tensor_args(router_logits=router_logits)
     top_k = _scalar("top_k", top_k, numbers.Integral, torch.SymInt, int)
     num_groups = _scalar("num_groups", num_groups, numbers.Integral, torch.SymInt, int)

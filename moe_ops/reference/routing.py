@@ -10,6 +10,13 @@ def _stable_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def _nan_first(x: torch.Tensor) -> torch.Tensor:
+    """NaN ranks as +inf: first, as torch.topk ranks it, so a NaN logit reaches the weights and
+    the output instead of being routed around; NaN and +inf tie, broken by index (the kernel's
+    rule, so both paths pick the same ids)."""
+    return x.masked_fill(torch.isnan(x), float("inf"))
+
+
 def selection_scores(logits, scoring, bias, num_groups, topk_groups):
     """(scores s, the values ranked), both in float32 or float64. Ranked: the logits themselves
     when there is no bias and no grouping (the same order as s, without rounding ties), else
@@ -21,13 +28,13 @@ def selection_scores(logits, scoring, bias, num_groups, topk_groups):
         # softmax and sigmoid are monotone, so ranking the logits ranks the scores without the
         # ties that rounding creates between close logits (e.g. sigmoid saturating at 1.0);
         # the Triton kernel ranks the same way, so CPU and GPU pick the same experts.
-        return s, x
-    sel = s if bias is None else s + bias.to(cd)
+        return s, _nan_first(x)
+    sel = _nan_first(s if bias is None else s + bias.to(cd))
     if num_groups > 1:
         T, E = sel.shape
         grouped = sel.view(T, num_groups, E // num_groups)
         top2 = min(2, E // num_groups)
-        group_score = grouped.topk(top2, dim=-1).values.sum(-1)
+        group_score = _nan_first(grouped.topk(top2, dim=-1).values.sum(-1))
         keep_groups = _stable_topk(group_score, topk_groups)
         keep = torch.zeros(T, num_groups, dtype=torch.bool, device=sel.device)
         keep.scatter_(1, keep_groups, True)

@@ -193,8 +193,42 @@ def test_internal_ops_not_differentiable(reference_path, sample):
     assert not any(g.requires_grad for g in torch.ops.moe.dispatch_backward(go, *args, **kw))
     y = torch.ops.moe.dispatch(*args, **kw)
     g, = torch.autograd.grad(y.sum(), args[0], create_graph=True)
-    with pytest.raises(RuntimeError, match="does not require grad"):
+    with pytest.raises(RuntimeError, match="no second derivative"):
         torch.autograd.grad(g.sum(), args[0])
+
+
+@pytest.mark.parametrize("path", ["reference_path", "interpreter"])
+def test_second_derivatives_raise_instead_of_reading_zero(path, mode, request):
+    """A double backward through moe.dispatch raises: before, its gradients came back as
+    constants, so a gradient penalty beside another term silently lost the penalty's part and
+    autograd.functional.jvp (double-backward trick) returned zeros. Forward-mode AD raises too
+    (dual inputs used to come out without a tangent: a zero derivative). A backward with
+    create_graph=True whose graph is not differentiated again still works, and moe.route (torch
+    ops in its backward) keeps its double backward."""
+    request.getfixturevalue(path)
+    import torch.autograd.forward_ad as fwAD
+    from torch.autograd.functional import jvp
+
+    args, kw = dispatch_samples(requires_grad=True)[0]
+    h = args[0]
+    f = lambda x: torch.ops.moe.dispatch(x, *args[1:], **kw)  # noqa: E731
+    g, = torch.autograd.grad(f(h).sum(), h, create_graph=True)   # first order: fine
+    ref, = torch.autograd.grad(f(h).sum(), h)
+    torch.testing.assert_close(g, ref, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(g.pow(2).sum() + h.sum(), h)   # the penalty pattern
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        jvp(f, h.detach(), torch.ones_like(h))
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match="moe.dispatch: forward-mode AD"):
+            f(fwAD.make_dual(h.detach(), torch.ones_like(h)))
+        with pytest.raises(NotImplementedError, match="moe.route: forward-mode AD"):
+            torch.ops.moe.route(fwAD.make_dual(torch.randn(3, 8), torch.ones(3, 8)), 2)
+        f(h.detach())   # no dual input: runs
+    # (route's weights are float32 whatever the logits' dtype: finite differences at eps 1e-3)
+    logits = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradgradcheck(lambda x: torch.ops.moe.route(x, 3, "sigmoid", True)[0],
+                                 (logits,), eps=1e-3, atol=2e-3, rtol=1e-2)
 
 
 @pytest.mark.parametrize("sample", [0, 2, 4, 5])

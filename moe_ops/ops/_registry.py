@@ -3,6 +3,7 @@ stub library (csrc_stubs/) defined the schemas first."""
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 _lib = torch.library.Library("moe", "FRAGMENT")
 
@@ -22,3 +23,18 @@ def define(schema: str, tags=()) -> str:
     if not op_defined(name):
         _lib.define(schema, tags=tags)
     return f"moe::{name}"
+
+
+def reject_forward_ad(op: str, *tensors) -> None:
+    """Forward-mode AD (torch.autograd.forward_ad dual tensors, as torch.autograd.functional.jvp
+    uses) is not implemented by the ops: raise rather than return an output without a tangent,
+    which forward AD reads as a zero derivative. Costs a global read per call outside a
+    `dual_level` (torch.func.jvp raises on its own: the Functions have no setup_context)."""
+    if _forward_ad._current_level < 0:
+        return
+    for t in tensors:
+        if _forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                f"{op}: forward-mode AD (dual tensors, torch.autograd.forward_ad / "
+                "torch.autograd.functional.jvp) is not implemented; use reverse mode "
+                "(backward / torch.autograd.grad)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from moe_ops._runtime import on_device, recompute_enabled, use_triton
-from moe_ops.ops._registry import _lib, define
+from moe_ops.ops._registry import _lib, define, reject_forward_ad
 from moe_ops.ops.checks import (check_dispatch, check_dispatch_backward, check_ids_in_range,
                                 check_tensor_args)
 from moe_ops.reference.dispatch import dispatch_backward_reference, dispatch_reference
@@ -131,6 +131,22 @@ def _dispatch_backward_saved_fake(grad_out, z, hidden, w13, w2, topk_weights, to
     return _dispatch_backward_fake(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation)
 
 
+class _NoSecondDerivative(torch.autograd.Function):
+    """Passes moe.dispatch's gradients (the first n arguments) through, depending on the
+    tensors after them; its backward raises (a double backward through moe.dispatch)."""
+
+    @staticmethod
+    def forward(ctx, n, *args):
+        return tuple(None if g is None else g.view_as(g) for g in args[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "moe.dispatch has no second derivative: a double backward through it "
+            "(create_graph=True with a loss on its gradients, autograd.functional.jvp / hvp / "
+            "hessian) is not implemented")
+
+
 class _DispatchFunction(torch.autograd.Function):
     """Autograd of moe.dispatch (see the module docstring). `keyset`: the dispatch keys below
     Autograd, to run the plain op's kernels when recomputing."""
@@ -151,6 +167,23 @@ class _DispatchFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with torch.no_grad():
+            grads = _DispatchFunction._backward(ctx, grad_out)
+        if torch.is_grad_enabled():
+            # create_graph=True (a gradient penalty, autograd.functional.jvp / hvp): the
+            # backward kernels have no derivative, so the gradients get a node, connected to
+            # the inputs they depend on, that raises when a second backward reaches it; as
+            # constants they gave silently wrong second derivatives. (torch's
+            # once_differentiable looks at grad_out alone and so misses the dependence through
+            # the saved inputs.)
+            deps = [t for t in (grad_out, *ctx.saved_tensors[:4]) if t is not None
+                    and t.requires_grad]
+            if deps:
+                grads = _NoSecondDerivative.apply(len(grads), *grads, *deps)
+        return grads
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         hidden, w13, w2, topk_weights, topk_ids, z = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         if z is None:
@@ -169,6 +202,7 @@ _DISPATCH_OP = torch.ops.moe.dispatch.default
 
 def _dispatch_autograd(keyset, hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
     below = keyset & torch._C._after_autograd_keyset
+    reject_forward_ad("moe.dispatch", hidden, w13, w2, topk_weights)
     if torch.is_grad_enabled() and torch._C._any_requires_grad(hidden, w13, w2, topk_weights):
         return _DispatchFunction.apply(hidden, w13, w2, topk_weights, topk_ids, activation, below)
     with torch._C._AutoDispatchBelowAutograd():

@@ -6,7 +6,7 @@ import numbers
 import torch
 
 from moe_ops._runtime import on_device, use_triton
-from moe_ops.ops._registry import _lib, define
+from moe_ops.ops._registry import _lib, define, reject_forward_ad
 from moe_ops.ops.checks import check_route, check_tensor_args
 from moe_ops.reference.routing import route_backward_reference, route_reference
 
@@ -78,6 +78,7 @@ _ROUTE_OP = torch.ops.moe.route.default
 def _route_autograd(keyset, router_logits, top_k, scoring="softmax", renormalize=True,
                     bias=None, num_groups=1, topk_groups=1, scale=1.0):
     below = keyset & torch._C._after_autograd_keyset
+    reject_forward_ad("moe.route", router_logits)
     if torch.is_grad_enabled() and router_logits.requires_grad:
         return _RouteFunction.apply(router_logits, top_k, scoring, renormalize, bias, num_groups,
                                     topk_groups, scale, below)

@@ -234,9 +234,15 @@ def interpreter_works() -> bool:
 
 def require_interpreter():
     if not interpreter_works():
-        import numpy
         import triton
 
+        try:
+            import numpy
+        except ImportError:
+            raise RuntimeError(
+                "TRITON_INTERPRET=1 is set but numpy is not installed: Triton's interpreter needs "
+                "it (pip install numpy), or unset TRITON_INTERPRET to run the PyTorch reference "
+                "on CPU") from None
         raise RuntimeError(
             f"TRITON_INTERPRET=1 is set but the Triton interpreter of triton {triton.__version__} "
             f"with numpy {numpy.__version__} cannot run moe_ops' kernels (loops bounded by runtime "

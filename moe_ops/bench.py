@@ -724,7 +724,7 @@ def parse_args(argv=None):
     p.add_argument("--md", metavar="PATH", help="write the environment and tables as Markdown")
     p.add_argument("--plot", metavar="PATH.png",
                    help="plot floor / time against T, one subplot per shape and one line per "
-                        "implementation (needs matplotlib: pip install 'moe_ops[bench]')")
+                        "implementation (needs matplotlib: pip install matplotlib)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--warmup-ms", type=float, default=None,

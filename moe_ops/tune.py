@@ -6,8 +6,9 @@
 
 Every candidate's output is checked against the heuristic config's output before it is timed
 (CUDA-graph replay, median of triton.testing.do_bench: no host overhead in the figure). The best
-per token count is merged into moe_ops/tuning/configs/<device>.json (or --out-dir), which
-`moe.dispatch` then uses (nearest measured token count). `--device cpu` with TRITON_INTERPRET=1
+per token count is merged into <device>.json in --out-dir, else $MOE_OPS_TUNING_DIR, else
+~/.cache/moe_ops/tuning (moe_ops.tuning.tables), which `moe.dispatch` then uses (nearest
+measured token count; a table in $MOE_OPS_TUNING_DIR is read only while that is set). `--device cpu` with TRITON_INTERPRET=1
 runs a smoke test through the interpreter, timed with the host clock.
 """
 from __future__ import annotations
@@ -104,13 +105,15 @@ def _shape(parser, text):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m moe_ops.tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="*", default=[], choices=sorted(SHAPES))
     p.add_argument("--shape", action="append", default=[], help="H,I,E,K")
     p.add_argument("--tokens", nargs="+", type=token_count, default=[1, 8, 32, 128, 512, 2048, 8192])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--out-dir", default=None, help="where the table goes (default: the package's)")
+    p.add_argument("--out-dir", default=None, help="where the table goes (default: "
+                   "$MOE_OPS_TUNING_DIR, else ~/.cache/moe_ops/tuning)")
     p.add_argument("--quick", action="store_true",
                    help="only the heuristic's neighbours (~10 candidates per token count instead "
                         "of ~100; moe_ops.tuning.heuristics.neighbours)")

@@ -84,6 +84,27 @@ def test_write_merges_token_counts(tmp_path):
     assert [sorted(e["configs"], key=int) for e in table["entries"]] == [["1", "512"], ["8"]]
 
 
+def test_tables_live_outside_the_package(tmp_path, monkeypatch):
+    """Without MOE_OPS_TUNING_DIR, tables are written to the user's cache (XDG_CACHE_HOME), never
+    into the installed package (read-only site-packages; pip would not remove the file); lookup
+    reads the user's table first, then one shipped in the package. With MOE_OPS_TUNING_DIR
+    set, only that directory is read."""
+    monkeypatch.delenv("MOE_OPS_TUNING_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    shipped = tmp_path / "package_configs"
+    monkeypatch.setattr(tables, "_PACKAGE_DIR", shipped)
+    tables._load.cache_clear()
+    args = (64, 128, 8, 2048, 768, torch.bfloat16, "Dir GPU")
+    assert tables.lookup(*args) is None
+    tables.write_table("Dir GPU", [_entry({64: CFG_B})], directory=shipped)   # "shipped"
+    assert tables.lookup(*args) == CFG_B
+    path = tables.write_table("Dir GPU", [_entry({64: CFG_A})])
+    assert path == tmp_path / "cache" / "moe_ops" / "tuning" / "Dir_GPU.json"
+    assert tables.lookup(*args) == CFG_A   # the user's before the package's
+    monkeypatch.setenv("MOE_OPS_TUNING_DIR", str(tmp_path / "empty"))
+    assert tables.lookup(*args) is None
+
+
 def test_bad_tables_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="version"):
         tables.validate_table({"version": 99, "entries": []})

@@ -2,8 +2,12 @@
 looked up by problem shape with the nearest measured token count; the heuristic in
 `moe_ops.tuning.heuristics` is the fallback when a device or shape has no table.
 
-Format (version 1), one file per device in moe_ops/tuning/configs/<device name>.json (spaces and
-slashes replaced by underscores), or in $MOE_OPS_TUNING_DIR:
+Where: one file per device, <device name>.json (characters other than letters, digits, "-" and
+"." replaced by underscores). `python -m moe_ops.tune` writes to $MOE_OPS_TUNING_DIR when set,
+else to the user's cache ($XDG_CACHE_HOME or ~/.cache, then moe_ops/tuning), never into the
+installed package. Lookup reads $MOE_OPS_TUNING_DIR alone when it is set; else the user's
+table, then one shipped in the package (moe_ops/tuning/configs; none ships today).
+Format (version 1):
 {"version": 1, "device": "NVIDIA H200", "triton": "3.6.0",
  "entries": [{"H": 2048, "I": 768, "E": 128, "K": 8, "dtype": "bfloat16",
               "configs": {"1": {<DispatchConfig fields>}, "512": {...}}}]}
@@ -25,10 +29,34 @@ FORMAT_VERSION = 1
 _PACKAGE_DIR = Path(__file__).resolve().parent / "configs"
 
 
+def user_dir() -> Path:
+    """The default directory tables are written to and read from first (outside the package:
+    a pip-installed site-packages may be read-only, and pip would not remove the file)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "moe_ops" / "tuning"
+
+
+def _file_name(device_name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in device_name) + ".json"
+
+
 def table_path(device_name: str, directory: str | os.PathLike | None = None) -> Path:
-    stem = "".join(c if c.isalnum() or c in "-." else "_" for c in device_name)
-    base = Path(directory or os.environ.get("MOE_OPS_TUNING_DIR") or _PACKAGE_DIR)
-    return base / f"{stem}.json"
+    """Where the device's table is written: `directory`, else $MOE_OPS_TUNING_DIR, else
+    `user_dir()`."""
+    base = Path(directory or os.environ.get("MOE_OPS_TUNING_DIR") or user_dir())
+    return base / _file_name(device_name)
+
+
+def find_table(device_name: str, directory: str | os.PathLike | None = None) -> Path | None:
+    """The table lookup reads: in `directory` or $MOE_OPS_TUNING_DIR when given (only there),
+    else the user's, else the package's; None when there is none."""
+    explicit = directory or os.environ.get("MOE_OPS_TUNING_DIR")
+    bases = [Path(explicit)] if explicit else [user_dir(), _PACKAGE_DIR]
+    for base in bases:
+        path = base / _file_name(device_name)
+        if path.is_file():
+            return path
+    return None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -74,7 +102,8 @@ def lookup(T: int, E: int, K: int, H: int, I: int, dtype: torch.dtype, device_na
     """The tuned config of the entry matching (H, I, E, K, dtype) at the measured token count
     nearest to T (in log space), or None."""
     # (runs once per shape: heuristics.dispatch_config memoises the answer)
-    table = _load(str(table_path(device_name, directory)))
+    path = find_table(device_name, directory)
+    table = _load(str(path)) if path is not None else None
     if table is None:
         return None
     name = _dtype_name(dtype)

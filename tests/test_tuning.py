@@ -103,6 +103,14 @@ def test_tables_live_outside_the_package(tmp_path, monkeypatch):
     assert tables.lookup(*args) == CFG_A   # the user's before the package's
     monkeypatch.setenv("MOE_OPS_TUNING_DIR", str(tmp_path / "empty"))
     assert tables.lookup(*args) is None
+    # no home directory at all: lookup falls back to the package's table, writing says what to do
+    monkeypatch.delenv("MOE_OPS_TUNING_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setattr(tables.Path, "home", classmethod(lambda cls: (_ for _ in ()).throw(
+        RuntimeError("Could not determine home directory"))))
+    assert tables.lookup(*args) == CFG_B
+    with pytest.raises(RuntimeError, match="MOE_OPS_TUNING_DIR"):
+        tables.write_table("Dir GPU", [_entry({64: CFG_A})])
 
 
 def test_bad_tables_are_rejected(tmp_path):

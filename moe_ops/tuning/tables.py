@@ -29,10 +29,17 @@ FORMAT_VERSION = 1
 _PACKAGE_DIR = Path(__file__).resolve().parent / "configs"
 
 
-def user_dir() -> Path:
+def user_dir() -> Path | None:
     """The default directory tables are written to and read from first (outside the package:
-    a pip-installed site-packages may be read-only, and pip would not remove the file)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    a pip-installed site-packages may be read-only, and pip would not remove the file). None
+    when there is no home directory to put it in (then only MOE_OPS_TUNING_DIR and the
+    package's tables exist)."""
+    cache = os.environ.get("XDG_CACHE_HOME")
+    if not cache:
+        try:
+            cache = Path.home() / ".cache"
+        except RuntimeError:   # no HOME and no passwd entry (some containers)
+            return None
     return Path(cache) / "moe_ops" / "tuning"
 
 
@@ -43,8 +50,11 @@ def _file_name(device_name: str) -> str:
 def table_path(device_name: str, directory: str | os.PathLike | None = None) -> Path:
     """Where the device's table is written: `directory`, else $MOE_OPS_TUNING_DIR, else
     `user_dir()`."""
-    base = Path(directory or os.environ.get("MOE_OPS_TUNING_DIR") or user_dir())
-    return base / _file_name(device_name)
+    base = directory or os.environ.get("MOE_OPS_TUNING_DIR") or user_dir()
+    if base is None:
+        raise RuntimeError("no home directory for the tuned tables: set MOE_OPS_TUNING_DIR or "
+                           "pass a directory (python -m moe_ops.tune --out-dir)")
+    return Path(base) / _file_name(device_name)
 
 
 def find_table(device_name: str, directory: str | os.PathLike | None = None) -> Path | None:
@@ -52,7 +62,7 @@ def find_table(device_name: str, directory: str | os.PathLike | None = None) -> 
     else the user's, else the package's; None when there is none."""
     explicit = directory or os.environ.get("MOE_OPS_TUNING_DIR")
     bases = [Path(explicit)] if explicit else [user_dir(), _PACKAGE_DIR]
-    for base in bases:
+    for base in filter(None, bases):
         path = base / _file_name(device_name)
         if path.is_file():
             return path

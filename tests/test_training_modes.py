@@ -225,8 +225,12 @@ def test_second_derivatives_raise_instead_of_reading_zero(path, mode, request):
         with pytest.raises(NotImplementedError, match="moe.route: forward-mode AD"):
             torch.ops.moe.route(fwAD.make_dual(torch.randn(3, 8), torch.ones(3, 8)), 2)
         f(h.detach())   # no dual input: runs
-    # (route's weights are float32 whatever the logits' dtype: finite differences at eps 1e-3)
-    logits = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    # (route's weights are float32 whatever the logits' dtype: finite differences at eps 1e-3;
+    # logits >= 0.25 apart, so no perturbation flips the top-k selection)
+    gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+    logits = torch.stack([torch.randperm(8, generator=gen) * 0.5 for _ in range(4)]).double()
+    logits = (logits + torch.rand(4, 8, generator=gen, dtype=torch.float64) * 0.25 - 2.0)
+    logits.requires_grad_(True)
     torch.autograd.gradgradcheck(lambda x: torch.ops.moe.route(x, 3, "sigmoid", True)[0],
                                  (logits,), eps=1e-3, atol=2e-3, rtol=1e-2)
 

@@ -8,8 +8,9 @@ Every candidate's output is checked against the heuristic config's output before
 (CUDA-graph replay, median of triton.testing.do_bench: no host overhead in the figure). The best
 per token count is merged into <device>.json in --out-dir, else $MOE_OPS_TUNING_DIR, else
 ~/.cache/moe_ops/tuning (moe_ops.tuning.tables), which `moe.dispatch` then uses (nearest
-measured token count; a table in $MOE_OPS_TUNING_DIR is read only while that is set). `--device cpu` with TRITON_INTERPRET=1
-runs a smoke test through the interpreter, timed with the host clock.
+measured token count; a table in $MOE_OPS_TUNING_DIR is read only while that is set).
+`--device cpu` with TRITON_INTERPRET=1 runs a smoke test through the interpreter, timed with the
+host clock.
 """
 from __future__ import annotations
 

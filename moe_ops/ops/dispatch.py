@@ -167,8 +167,9 @@ class _DispatchFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
         with torch.no_grad():
-            grads = _DispatchFunction._backward(ctx, grad_out)
+            grads = _DispatchFunction._backward(ctx, saved, grad_out)
         if torch.is_grad_enabled():
             # create_graph=True (a gradient penalty, autograd.functional.jvp / hvp): the
             # backward kernels have no derivative, so the gradients get a node, connected to
@@ -176,15 +177,14 @@ class _DispatchFunction(torch.autograd.Function):
             # constants they gave silently wrong second derivatives. (torch's
             # once_differentiable looks at grad_out alone and so misses the dependence through
             # the saved inputs.)
-            deps = [t for t in (grad_out, *ctx.saved_tensors[:4]) if t is not None
-                    and t.requires_grad]
+            deps = [t for t in (grad_out, *saved[:4]) if t is not None and t.requires_grad]
             if deps:
                 grads = _NoSecondDerivative.apply(len(grads), *grads, *deps)
         return grads
 
     @staticmethod
-    def _backward(ctx, grad_out):
-        hidden, w13, w2, topk_weights, topk_ids, z = ctx.saved_tensors
+    def _backward(ctx, saved, grad_out):
+        hidden, w13, w2, topk_weights, topk_ids, z = saved
         grad_out = grad_out.contiguous()
         if z is None:
             gx, g13, g2, gw = torch.ops.moe.dispatch_backward(

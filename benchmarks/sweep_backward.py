@@ -29,6 +29,8 @@ def variants(base):
     r = dataclasses.replace
     return {
         "default": base,
+        "gather free" if not base.gather_free else "gathered": r(
+            base, gather_free=not base.gather_free),
         "tma": r(base, tma=not base.tma),   # the weight tiles (with the base's tma_a)
         "tma a" if not base.tma_a else "no tma a": r(base, tma_a=not base.tma_a),
         "3 stages": r(base, num_stages=3),

@@ -265,6 +265,22 @@ def test_gradient_matches_float64_autograd(kw, path, request):
     torch.testing.assert_close(logits.grad.double(), x.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("shift", [-30.0, -60.0, -80.0])
+def test_sigmoid_renormalized_gradient_far_negative_logits(reference_path, shift):
+    """Sigmoid scores of logits far below 0 (~1e-26 at -60) renormalise to ordinary weights; the
+    gradient must stay finite and right there (the backward squared the row sum, which
+    underflows in float32 below ~-46: -inf gradients from ~-55)."""
+    logits = (torch.randn(9, 8) + shift).requires_grad_(True)
+    w, ids = torch.ops.moe.route(logits, 3, "sigmoid", True)
+    gw = torch.randn_like(w)
+    (w * gw).sum().backward()
+    x = logits.detach().double().requires_grad_(True)
+    p = torch.sigmoid(x).gather(1, ids.long())
+    ((p / p.sum(-1, keepdim=True)) * gw.double()).sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    torch.testing.assert_close(logits.grad.double(), x.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_gradcheck_float64(reference_path):
     logits = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
     # route returns float32 weights; check the backward formula in float64 directly

@@ -993,7 +993,8 @@ def test_persistent_weight_grads_many_experts(interpreter, monkeypatch):
 @needs_interpreter
 @pytest.mark.parametrize("routing,layout", [
     ("uniform", "contiguous"), ("mixed", "contiguous"), ("one_expert", "contiguous"),
-    ("skewed", "contiguous"), ("mixed", "expanded grad_out"), ("skewed", "strided hidden")])
+    ("skewed", "contiguous"), ("mixed", "expanded grad_out"), ("skewed", "strided hidden"),
+    ("mixed", "dA alone")])
 def test_gather_free_backward_matches_gathered(interpreter, monkeypatch, routing, layout):
     """The gather-free backward (the dA GEMM's A rows and one side of each persistent weight
     gradient read from hidden / grad_out through the slot table, in the kernels' loops) gives
@@ -1024,9 +1025,11 @@ def test_gather_free_backward_matches_gathered(interpreter, monkeypatch, routing
     gathered = db.dispatch_backward_triton(go, *args, config=cfg, bwd_config=bc)
     assert len(copies) == 2
     copies.clear()
+    fields = dict(da_gather=True) if layout == "dA alone" else dict(gather_free=True)
     free = db.dispatch_backward_triton(go, *args, config=cfg,
-                                       bwd_config=dataclasses.replace(bc, gather_free=True))
-    expected = {"contiguous": [], "expanded grad_out": [go], "strided hidden": [h]}[layout]
+                                       bwd_config=dataclasses.replace(bc, **fields))
+    expected = {"contiguous": [], "expanded grad_out": [go], "strided hidden": [h],
+                "dA alone": [h, go]}[layout]
     assert [c is e for c, e in zip(copies, expected)] == [True] * len(expected), layout
     assert len(copies) == len(expected), layout
     ref = dispatch_backward_reference(go.double(), *_double(args))

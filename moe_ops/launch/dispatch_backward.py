@@ -51,10 +51,12 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     # and the weight gradients read hidden and grad_out rows through the slot table in their
     # loops; else both are first copied into aligned-row order (2 * [rows, H] written and read
     # back).
+    # (bc.da_gather: the dA GEMM alone reads grad_out so; the weight gradient dW2 takes the copy.)
     gf = (bc.gather_free and bc.wg_persistent and bc.wg_trim and not bc.wg_ws
           and not bc.rows_ws and dt in (torch.bfloat16, torch.float16))
     gather_x = gf and hidden.stride(1) == 1
     gather_o = gf and grad_out.stride(1) == 1
+    da_gather = (gf or bc.da_gather) and not bc.rows_ws and grad_out.stride(1) == 1
     xs = None if gather_x else gather_rows_triton(hidden, al, n_slots, K)
     gos = None if gather_o else gather_rows_triton(grad_out, al, n_slots, K)
     dz = torch.empty(al.max_rows, 2 * I, dtype=dt, device=dev)
@@ -65,9 +67,9 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
         z = torch.empty(n_slots, 2 * I, dtype=dt, device=dev)
         gate_up_triton(hidden, w13, sa, al, cfg, n_slots, K, z=z)
     dA = torch.empty(n_slots, I, dtype=torch.float32, device=dev)
-    rows_gemm_triton(grad_out if gather_o else gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)),
+    rows_gemm_triton(grad_out if da_gather else gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)),
                      dA, al, I, H, n_slots, K, bc.da_n, bc.da_k, bc.da_warps, stages, tma=bc.tma,
-                     tma_a=bc.tma_a, half_tail=bc.half_tail, ws=bc.rows_ws, a_gather=gather_o)
+                     tma_a=bc.tma_a, half_tail=bc.half_tail, ws=bc.rows_ws, a_gather=da_gather)
     block_i = min(bc.ew_i, next_pow2(I))
     kernel_for(swiglu_grad_kernel, dev)[(cdiv(al.max_rows, bc.ew_r),)](
         dA, z, topk_weights, al.sorted_slots, al.num_rows, dz, sa, dweights,

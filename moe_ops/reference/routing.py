@@ -67,8 +67,10 @@ def route_backward_reference(grad_w, router_logits, topk_ids, scoring, renormali
     p = s.gather(1, ids)
     g = grad_w.to(cd) * scale
     if renormalize:
+        # d(p_i / D) / d p_j = (delta_ij - p_i / D) / D, in that order: D * D underflows in
+        # float32 for sigmoid scores of logits below ~-46 (-inf gradients from ~-55)
         denom = p.sum(dim=-1, keepdim=True)
-        g = g / denom - (g * p).sum(dim=-1, keepdim=True) / (denom * denom)
+        g = (g - (g * (p / denom)).sum(dim=-1, keepdim=True)) / denom
     ds = torch.zeros_like(s).scatter_add(1, ids, g)
     if scoring == "softmax":
         dx = s * (ds - (ds * s).sum(dim=-1, keepdim=True))

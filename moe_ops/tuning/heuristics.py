@@ -306,6 +306,7 @@ class BackwardConfig:
     # dA GEMM and persistent weight gradients read hidden / grad_out rows through the slot table
     # (no gathered copies in aligned-row order)
     gather_free: bool = False
+    da_gather: bool = False   # the dA GEMM alone reads grad_out rows through the slot table
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,

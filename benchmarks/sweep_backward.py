@@ -29,12 +29,6 @@ def variants(base):
     r = dataclasses.replace
     return {
         "default": base,
-        "gather free" if not base.gather_free else "gathered": r(
-            base, gather_free=not base.gather_free),
-        "gather free s4": r(base, gather_free=True, wg_stages=4),
-        "gather free s5": r(base, gather_free=True, wg_stages=5),
-        "da gather" if not base.da_gather else "no da gather": r(
-            base, da_gather=not base.da_gather),
         "tma": r(base, tma=not base.tma),   # the weight tiles (with the base's tma_a)
         "tma a" if not base.tma_a else "no tma a": r(base, tma_a=not base.tma_a),
         "3 stages": r(base, num_stages=3),

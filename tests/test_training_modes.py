@@ -991,54 +991,6 @@ def test_persistent_weight_grads_many_experts(interpreter, monkeypatch):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("routing,layout", [
-    ("uniform", "contiguous"), ("mixed", "contiguous"), ("one_expert", "contiguous"),
-    ("skewed", "contiguous"), ("mixed", "expanded grad_out"), ("skewed", "strided hidden"),
-    ("mixed", "dA alone")])
-def test_gather_free_backward_matches_gathered(interpreter, monkeypatch, routing, layout):
-    """The gather-free backward (the dA GEMM's A rows and one side of each persistent weight
-    gradient read from hidden / grad_out through the slot table, in the kernels' loops) gives
-    bitwise the gradients of the path through gathered copies, on NaN-poisoned scratch, with
-    no copy made; a source without unit column stride (an expanded grad_out, a column-strided
-    hidden) takes the copy for that side alone, and the gradients are still the same."""
-    import dataclasses
-
-    import moe_ops.launch.dispatch_backward as db
-    from moe_ops.tuning.heuristics import backward_config, dispatch_config
-
-    seed = fresh_seed()
-    T, H, I, E, K = 24, 48, 40, 5, 2
-    (h, w13, w2, w, ids), g = _inputs(T, H, I, E, K, routing=routing, seed=seed,
-                                      dtype=torch.float16)
-    go = torch.randn(T, H, generator=g).to(torch.float16)
-    if layout == "expanded grad_out":
-        go = go[:1, :1].expand(T, H)   # strides (0, 0), as the gradient of out.sum()
-    elif layout == "strided hidden":
-        h = torch.randn(T, 2 * H, generator=g).to(torch.float16)[:, ::2]
-    args = (h, w13, w2, w, ids)
-    cfg = dispatch_config(T, E, K, H, I, "cpu", torch.float16)
-    bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float16), wg_persistent=True)
-    copies = []
-    run = db.gather_rows_triton
-    monkeypatch.setattr(db, "gather_rows_triton", lambda src, *a: (copies.append(src), run(src, *a))[1])
-    _poison_empty(monkeypatch)
-    gathered = db.dispatch_backward_triton(go, *args, config=cfg, bwd_config=bc)
-    assert len(copies) == 2
-    copies.clear()
-    fields = dict(da_gather=True) if layout == "dA alone" else dict(gather_free=True)
-    free = db.dispatch_backward_triton(go, *args, config=cfg,
-                                       bwd_config=dataclasses.replace(bc, **fields))
-    expected = {"contiguous": [], "expanded grad_out": [go], "strided hidden": [h],
-                "dA alone": [h, go]}[layout]
-    assert [c is e for c, e in zip(copies, expected)] == [True] * len(expected), layout
-    assert len(copies) == len(expected), layout
-    ref = dispatch_backward_reference(go.double(), *_double(args))
-    for name, a, b, r, err in zip(NAMES, free, gathered, ref, grad_errors(free, ref, go, args)):
-        assert torch.equal(a, b), (seed, name)
-        assert err <= GRAD_TOL[torch.float16] or r.norm() == 0, (seed, name, err)
-
-
-@needs_interpreter
 @pytest.mark.parametrize("field,value", [("wg_chunk", 3), ("wg_chunk", 64), ("wg_chunk", 0),
                                          ("wg_split", 3)])
 def test_persistent_weight_grads_bad_config(interpreter, field, value):

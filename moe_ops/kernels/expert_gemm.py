@@ -214,7 +214,7 @@ def down_kernel(
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, out_ptr=None, stride_oh=0,
     COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False, a_desc=None, a_desc_half=None,
-    A_TMA: tl.constexpr = False, A_GATHER: tl.constexpr = False,
+    A_TMA: tl.constexpr = False,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
@@ -224,10 +224,6 @@ def down_kernel(
     tails) instead of masked pointer loads. Unmasked: padding rows may hold anything, but a
     product's output row depends on its own A row alone and those rows are never stored;
     columns past K and rows past the end read zeros.
-    A_GATHER (the backward's dA, aligned rows): `act_ptr` is a [T, K_red] source with unit
-    column stride and row stride `stride_am`, and row r's A row is source row slot // top_k
-    (slot = the row's entry in the slot table; padding rows read zeros), so the gathered copy in
-    aligned-row order is never written.
     COMBINE_K = K > 0 (T == 1 with direct rows): the combine happens here. Each of the K
     programs of an H tile stores its slot's row, then counts itself in counters[pid_n] (zeroed by
     this call's gate_up kernel); the one that counts last sums the K rows in order 0..K-1 in
@@ -247,13 +243,13 @@ def down_kernel(
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                   n_experts, DIRECT, USE_PDL, BLOCK_M // 2, a_desc_half, A_TMA, A_GATHER)
+                   n_experts, DIRECT, USE_PDL, BLOCK_M // 2, a_desc_half, A_TMA)
     else:
         down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                   n_experts, DIRECT, USE_PDL, BLOCK_M, a_desc, A_TMA, A_GATHER)
+                   n_experts, DIRECT, USE_PDL, BLOCK_M, a_desc, A_TMA)
     if COMBINE_K > 0:
         combine_last(y_ptr, ids_ptr, counters_ptr, out_ptr, pid_n, H, n_experts, stride_ik,
                      stride_ym, stride_oh, BLOCK_N, COMBINE_K, FENCE)
@@ -292,16 +288,12 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                w_desc, TMA_LAYOUT: tl.constexpr, ids_ptr, stride_ik, n_experts,
                DIRECT: tl.constexpr, PDL_LATE: tl.constexpr, TILE_M: tl.constexpr,
-               a_desc, A_TMA: tl.constexpr, A_GATHER: tl.constexpr = False):
+               a_desc, A_TMA: tl.constexpr):
     """down_kernel's work on the first TILE_M rows of row block pid_m (A_TMA: A tiles through
-    `a_desc`, whose block is [TILE_M, BLOCK_K]; A_GATHER: A rows from the source row of each
-    slot's token)."""
+    `a_desc`, whose block is [TILE_M, BLOCK_K])."""
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
                                           stride_ik, n_experts, BLOCK_M, DIRECT, TILE_M)
-    if A_GATHER:
-        rows64 = tl.where(row_valid, slots // top_k, 0).to(tl.int64)
-    else:
-        rows64 = rows.to(tl.int64)
+    rows64 = rows.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)

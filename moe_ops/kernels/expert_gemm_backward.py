@@ -152,27 +152,11 @@ def _store_slice(o_desc, x, e, m0, n0, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _gathered_rows(src_ptr, sorted_ptr, row, c0, n_rows, n_slots, n_cols, stride_s,
-                   TOP_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Rows row .. row + ROWS - 1 of the aligned-row-order copy of src ([T, n_cols], unit column
-    stride), columns c0 .. c0 + COLS - 1, read from src itself: gather_rows_kernel's values
-    (zeros for padding slots, rows past n_rows and columns past n_cols)."""
-    rows = row + tl.arange(0, ROWS)
-    slots = tl.load(sorted_ptr + rows, mask=rows < n_rows, other=n_slots)
-    valid = slots < n_slots
-    tok = tl.where(valid, slots // TOP_K, 0).to(tl.int64)
-    cols = c0 + tl.arange(0, COLS)
-    return tl.load(src_ptr + tok[:, None] * stride_s + cols[None, :],
-                   mask=valid[:, None] & (cols < n_cols)[None, :], other=0.0)
-
-
-@triton.jit
 def weight_grad_persistent_kernel(
     l_desc, r_desc, o_desc, expert_ends_ptr, M, N, E, n_rows,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr, SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, g_ptr=None, sorted_ptr=None, stride_g=0, n_slots=0,
-    GATHER: tl.constexpr = 0, TOP_K: tl.constexpr = 1,
+    DOT_PRECISION: tl.constexpr,
 ):
     """weight_grad_kernel's sums (the same rows in the same order, the same tile shape, so the
     same float32 sums) with NUM_PROGRAMS programs, each walking output tiles pid,
@@ -194,11 +178,7 @@ def weight_grad_persistent_kernel(
     refills once per chunk. An expert without rows takes its one step at row n_rows, past the end
     of L and R, where the copies read zeros, and stores a zero tile. SPLIT (1, 2 or 4): the tile
     is stored in SPLIT column slices through one staging buffer of 1/SPLIT of its size (room for
-    another pipeline stage).
-    GATHER 1 (2): L (R) is not a row-ordered copy but gathered in the loop from the [T, M] ([T,
-    N]) source `g_ptr` (unit column stride, row stride `stride_g`): row r is source row
-    slot // TOP_K with slot = sorted_ptr[r], zeros for padding slots (>= n_slots) and rows past
-    n_rows, exactly the copy's rows (gather_rows_kernel), so the sums are the same."""
+    another pipeline stage)."""
     pid = tl.program_id(0)
     n_n = tl.cdiv(N, BLOCK_N)
     per_e = tl.cdiv(M, BLOCK_M) * n_n
@@ -226,16 +206,8 @@ def weight_grad_persistent_kernel(
             last = step + 1 == tl.sum(tl.where(here, steps_v, 0))
             m0 = (mn >> 16) * BLOCK_M
             n0 = (mn & 0xFFFF) * BLOCK_N
-            if GATHER == 1:
-                lt = _gathered_rows(g_ptr, sorted_ptr, row, m0, n_rows, n_slots, M, stride_g,
-                                    TOP_K, BLOCK_K, BLOCK_M)
-            else:
-                lt = l_desc.load([row, m0])          # [BLOCK_K, BLOCK_M]
-            if GATHER == 2:
-                r = _gathered_rows(g_ptr, sorted_ptr, row, n0, n_rows, n_slots, N, stride_g,
-                                   TOP_K, BLOCK_K, BLOCK_N)
-            else:
-                r = r_desc.load([row, n0])           # [BLOCK_K, BLOCK_N]
+            lt = l_desc.load([row, m0])          # [BLOCK_K, BLOCK_M]
+            r = r_desc.load([row, n0])           # [BLOCK_K, BLOCK_N]
             acc = tl.dot(tl.trans(lt), r, acc, input_precision=DOT_PRECISION)
             if last:
                 # zeroed after the store (not before the product): keeps a product in flight

@@ -138,7 +138,7 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
 
 def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
                      num_warps, num_stages, group_m=8, weights=None, tma=False, tma_a=False,
-                     pdl=False, half_tail=False, combine=None, key=None, ws=False, a_gather=False):
+                     pdl=False, half_tail=False, combine=None, key=None, ws=False):
     """y[slot] = (weights[slot] *) a[row] @ W_e^T ([N]) for the aligned rows: `a` is contiguous in
     aligned-row order ([max_rows, K_red]); W_e[n, k] = w[e*w_strides[0] + n*w_strides[1] +
     k*w_strides[2]] (any layout); y is per slot ([T*K, N], rows of ids < 0 unwritten). The
@@ -149,13 +149,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     block_m/2 valid rows run a half-height tile. `combine` = (counters, out, topk_ids), direct
     rows only: the last program per N tile also sums the K rows into out ([1, N]). `ws`: the
     persistent warp-specialised kernel where it applies (_rows_gemm_ws; `pdl`, `half_tail` and
-    `num_warps` do not apply to it). `a_gather` (aligned rows): `a` is a [T, K_red] source
-    with unit column stride, and row r's A row is a[slot // top_k] (the backward's dA reads
-    grad_out so, without a gathered copy); neither `tma_a` nor `ws` applies then."""
-    if a_gather:
-        if isinstance(al, DirectRows) or a.stride(1) != 1:
-            raise ValueError("a_gather needs aligned rows and a source with unit column stride")
-        tma_a = ws = False
+    `num_warps` do not apply to it)."""
     if ws and combine is None and _rows_gemm_ws(a, w, w_strides, y, al, N, K_red, n_slots, top_k,
                                                  block_n, block_k, num_stages, group_m, weights):
         return
@@ -188,7 +182,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         tw.stride(0), tw.stride(1), y.stride(0), n_blocks, N,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
-        w_desc=w_desc, TMA_LAYOUT=layout, **direct, HALF_TAIL=half, A_GATHER=a_gather,
+        w_desc=w_desc, TMA_LAYOUT=layout, **direct, HALF_TAIL=half,
         **comb, **({} if a_descs is None else dict(a_desc=a_descs[0], a_desc_half=a_descs[1],
                                                     A_TMA=True)),
         num_warps=num_warps, num_stages=num_stages, **_pdl_args(pdl, a.device),

@@ -47,18 +47,8 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     prec = _dot_precision(dt)
     stages = bc.num_stages
 
-    # Gather-free (bc.gather_free, where the persistent weight-gradient kernel runs): the dA GEMM
-    # and the weight gradients read hidden and grad_out rows through the slot table in their
-    # loops; else both are first copied into aligned-row order (2 * [rows, H] written and read
-    # back).
-    # (bc.da_gather: the dA GEMM alone reads grad_out so; the weight gradient dW2 takes the copy.)
-    gf = (bc.gather_free and bc.wg_persistent and bc.wg_trim and not bc.wg_ws
-          and not bc.rows_ws and dt in (torch.bfloat16, torch.float16))
-    gather_x = gf and hidden.stride(1) == 1
-    gather_o = gf and grad_out.stride(1) == 1
-    da_gather = (gf or bc.da_gather) and not bc.rows_ws and grad_out.stride(1) == 1
-    xs = None if gather_x else gather_rows_triton(hidden, al, n_slots, K)
-    gos = None if gather_o else gather_rows_triton(grad_out, al, n_slots, K)
+    xs = gather_rows_triton(hidden, al, n_slots, K)
+    gos = gather_rows_triton(grad_out, al, n_slots, K)
     dz = torch.empty(al.max_rows, 2 * I, dtype=dt, device=dev)
     sa = torch.empty(al.max_rows, I, dtype=dt, device=dev)
     # dA = dO W2_e as a plain grouped GEMM (float32 out, per slot), then one elementwise pass
@@ -67,9 +57,9 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
         z = torch.empty(n_slots, 2 * I, dtype=dt, device=dev)
         gate_up_triton(hidden, w13, sa, al, cfg, n_slots, K, z=z)
     dA = torch.empty(n_slots, I, dtype=torch.float32, device=dev)
-    rows_gemm_triton(grad_out if da_gather else gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)),
-                     dA, al, I, H, n_slots, K, bc.da_n, bc.da_k, bc.da_warps, stages, tma=bc.tma,
-                     tma_a=bc.tma_a, half_tail=bc.half_tail, ws=bc.rows_ws, a_gather=da_gather)
+    rows_gemm_triton(gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), dA, al, I, H,
+                     n_slots, K, bc.da_n, bc.da_k, bc.da_warps, stages, tma=bc.tma,
+                     tma_a=bc.tma_a, half_tail=bc.half_tail, ws=bc.rows_ws)
     block_i = min(bc.ew_i, next_pow2(I))
     kernel_for(swiglu_grad_kernel, dev)[(cdiv(al.max_rows, bc.ew_r),)](
         dA, z, topk_weights, al.sorted_slots, al.num_rows, dz, sa, dweights,
@@ -81,11 +71,9 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     del dA, z   # a recomputed z is freed here, before the weight-gradient GEMMs
 
     # dW2_e [H, I] = sum_rows dO[t]^T (s a)[row];  dW13_e [2I, H] = sum_rows dz[row]^T x[t]
-    weight_grad_triton(gos, sa, dw2, al, bc, prec,
-                       gather=(1, grad_out, n_slots, K) if gather_o else None)
+    weight_grad_triton(gos, sa, dw2, al, bc, prec)
     del gos
-    weight_grad_triton(dz, xs, dw13, al, bc, prec,
-                       gather=(2, hidden, n_slots, K) if gather_x else None)
+    weight_grad_triton(dz, xs, dw13, al, bc, prec)
     del xs
 
     # dx: per-slot dz[row] @ W13_e ([2I] x [2I, H]), then the forward's deterministic combine.
@@ -111,12 +99,10 @@ def gather_rows_triton(src, al, n_slots, top_k):
     return dst
 
 
-def weight_grad_triton(left, right, out, al, bc, prec, gather=None):
+def weight_grad_triton(left, right, out, al, bc, prec):
     """out[e] ([M, N]) = sum over expert e's aligned rows of left[row]^T right[row] (up to the
     first step past its valid rows); left and right are contiguous, in aligned-row order, with
-    zero padding rows. `gather` = (side, src, n_slots, top_k): that side (1 left, 2 right; None
-    there) is src's rows in aligned-row order, read in the persistent kernel's loop where it
-    runs, else copied first (gather_rows_triton)."""
+    zero padding rows."""
     E, M, N = out.shape
     bk = min(bc.wg_k, al.block_m)
     ends = al.expert_ends
@@ -125,14 +111,6 @@ def weight_grad_triton(left, right, out, al, bc, prec, gather=None):
                          "padded ends in one buffer (align_triton's)")
     if al.block_m % bk:
         raise ValueError(f"weight-gradient step {bk} must divide block_m {al.block_m}")
-    if gather is not None:
-        side, src, n_slots, top_k = gather
-        if (bc.wg_persistent and bc.wg_trim and not bc.wg_ws
-                and _weight_grad_persistent(left, right, out, al, bc, prec,
-                                            bk, gather)):
-            return
-        rows = gather_rows_triton(src, al, n_slots, top_k)
-        left, right = (rows, right) if side == 1 else (left, rows)
     if bc.wg_ws and bc.wg_trim and _weight_grad_ws(left, right, out, al, bc, prec, bk):
         return
     if bc.wg_persistent and bc.wg_trim and _weight_grad_persistent(left, right, out, al, bc, prec,
@@ -147,42 +125,32 @@ def weight_grad_triton(left, right, out, al, bc, prec, gather=None):
     )
 
 
-def _weight_grad_persistent(left, right, out, al, bc, prec, bk, gather=None) -> bool:
+def _weight_grad_persistent(left, right, out, al, bc, prec, bk) -> bool:
     """weight_grad_triton on the persistent kernel, if it applies: 16-bit operands whose tensor
     descriptors are legal here (weight_desc: 16-byte aligned rows, sm_90+ or the interpreter) and
     output block indices that fit the kernel's packed int32 (< 2^15 row blocks, < 2^16 column
-    blocks). `gather`: weight_grad_triton's (that side read from its source in the loop).
-    Returns whether it ran."""
+    blocks). Returns whether it ran."""
     if not (1 <= bc.wg_chunk <= 32 and bc.wg_chunk & (bc.wg_chunk - 1) == 0):
         raise ValueError(f"BackwardConfig.wg_chunk must be a power of two in [1, 32], got "
                          f"{bc.wg_chunk}")
     if bc.wg_split not in (1, 2, 4):
         raise ValueError(f"BackwardConfig.wg_split must be 1, 2 or 4, got {bc.wg_split}")
-    side = 0 if gather is None else gather[0]
-    operand = right if side == 1 else left
-    if operand.dtype not in (torch.bfloat16, torch.float16):
+    if left.dtype not in (torch.bfloat16, torch.float16):
         return False
     E, M, N = out.shape
     if cdiv(M, bc.wg_m) >= 1 << 15 or cdiv(N, bc.wg_n) >= 1 << 16:
         return False
     split = bc.wg_split if bc.wg_n % (16 * bc.wg_split) == 0 else 1
-    descs = (None if side == 1 else weight_desc(left, [bk, bc.wg_m]),
-             None if side == 2 else weight_desc(right, [bk, bc.wg_n]),
+    descs = (weight_desc(left, [bk, bc.wg_m]), weight_desc(right, [bk, bc.wg_n]),
              weight_desc(out, [1, bc.wg_m, bc.wg_n // split]))
-    if any(d is None for i, d in enumerate(descs) if i + 1 != side):
+    if any(d is None for d in descs):
         return False
-    gk = {}
-    if side:
-        src, n_slots, top_k = gather[1:]
-        gk = dict(g_ptr=src, sorted_ptr=al.sorted_slots, stride_g=src.stride(0),
-                  n_slots=n_slots, GATHER=side, TOP_K=top_k)
-    n_rows = al.max_rows
     n_tiles = E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n)
     programs = min(num_programs(out.device), n_tiles)
     kernel_for(weight_grad_persistent_kernel, out.device)[(programs,)](
-        *descs, al.expert_ends, M, N, E, n_rows,
+        *descs, al.expert_ends, M, N, E, left.shape[0],
         BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, CHUNK=bc.wg_chunk, SPLIT=split,
-        NUM_PROGRAMS=programs, DOT_PRECISION=prec, **gk,
+        NUM_PROGRAMS=programs, DOT_PRECISION=prec,
         num_warps=bc.wg_warps, num_stages=bc.wg_stages or bc.num_stages,
     )
     return True

@@ -303,10 +303,6 @@ class BackwardConfig:
     wg_split: int = 1     # persistent weight gradients: column slices per tile store (1, 2, 4)
     wg_ws: bool = False   # persistent weight gradients warp-specialised (sm_90, 16-bit, M % wg_m == 0)
     rows_ws: bool = False  # dA and dx GEMMs: the forward's warp-specialised row GEMM (down_ws)
-    # dA GEMM and persistent weight gradients read hidden / grad_out rows through the slot table
-    # (no gathered copies in aligned-row order)
-    gather_free: bool = False
-    da_gather: bool = False   # the dA GEMM alone reads grad_out rows through the slot table
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,

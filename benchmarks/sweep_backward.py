@@ -29,6 +29,10 @@ def variants(base):
     r = dataclasses.replace
     return {
         "default": base,
+        "wg 128x128 w4 s2 x2": r(base, wg_n=128, wg_warps=4, wg_stages=2, wg_per_sm=2),
+        "wg 128x128 w4 s3 split x2": r(base, wg_n=128, wg_warps=4, wg_stages=3, wg_split=2,
+                                       wg_per_sm=2),
+        "wg 128x128 w4 s3 x1": r(base, wg_n=128, wg_warps=4, wg_stages=3),
         "tma": r(base, tma=not base.tma),   # the weight tiles (with the base's tma_a)
         "tma a" if not base.tma_a else "no tma a": r(base, tma_a=not base.tma_a),
         "3 stages": r(base, num_stages=3),

@@ -133,6 +133,8 @@ def _weight_grad_persistent(left, right, out, al, bc, prec, bk) -> bool:
     if not (1 <= bc.wg_chunk <= 32 and bc.wg_chunk & (bc.wg_chunk - 1) == 0):
         raise ValueError(f"BackwardConfig.wg_chunk must be a power of two in [1, 32], got "
                          f"{bc.wg_chunk}")
+    if not (isinstance(bc.wg_per_sm, int) and bc.wg_per_sm >= 1):
+        raise ValueError(f"BackwardConfig.wg_per_sm must be an int >= 1, got {bc.wg_per_sm!r}")
     if bc.wg_split not in (1, 2, 4):
         raise ValueError(f"BackwardConfig.wg_split must be 1, 2 or 4, got {bc.wg_split}")
     if left.dtype not in (torch.bfloat16, torch.float16):
@@ -146,7 +148,7 @@ def _weight_grad_persistent(left, right, out, al, bc, prec, bk) -> bool:
     if any(d is None for d in descs):
         return False
     n_tiles = E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n)
-    programs = min(num_programs(out.device), n_tiles)
+    programs = min(num_programs(out.device) * bc.wg_per_sm, n_tiles)
     kernel_for(weight_grad_persistent_kernel, out.device)[(programs,)](
         *descs, al.expert_ends, M, N, E, left.shape[0],
         BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, CHUNK=bc.wg_chunk, SPLIT=split,

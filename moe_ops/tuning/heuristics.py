@@ -303,6 +303,7 @@ class BackwardConfig:
     wg_split: int = 1     # persistent weight gradients: column slices per tile store (1, 2, 4)
     wg_ws: bool = False   # persistent weight gradients warp-specialised (sm_90, 16-bit, M % wg_m == 0)
     rows_ws: bool = False  # dA and dx GEMMs: the forward's warp-specialised row GEMM (down_ws)
+    wg_per_sm: int = 1    # persistent weight gradients: programs per SM (co-resident if they fit)
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,

@@ -992,7 +992,7 @@ def test_persistent_weight_grads_many_experts(interpreter, monkeypatch):
 
 @needs_interpreter
 @pytest.mark.parametrize("field,value", [("wg_chunk", 3), ("wg_chunk", 64), ("wg_chunk", 0),
-                                         ("wg_split", 3)])
+                                         ("wg_split", 3), ("wg_per_sm", 0)])
 def test_persistent_weight_grads_bad_config(interpreter, field, value):
     """A persistent weight-gradient config the kernel cannot run is a ValueError naming the
     field, not a compile error or a silently wrong store."""

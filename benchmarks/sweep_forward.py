@@ -5,11 +5,12 @@ moe_ops' dispatch (CUDA-graph replay; routing done once outside, as `python -m m
 and prints the floor fraction of each.
 
     PYTHONPATH=. python benchmarks/sweep_forward.py [--cells mixtral_8x7b:512 ...] [--only WORD ...]
-        [--rounds 3]
+        [--rounds 3] [--extra 'n32 s5=block_n1:32,num_stages:5' ...]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 
 import torch
@@ -31,7 +32,14 @@ def main():
                    "these words (and the heuristic)")
     p.add_argument("--rounds", type=int, default=1, help="timings per variant, interleaved "
                    "(median reported)")
+    p.add_argument("--extra", nargs="+", default=[], metavar="NAME=FIELD:VALUE,...",
+                   help="more variants: DispatchConfig fields replaced in the heuristic's config, "
+                   "e.g. 'n32 s5=block_n1:32,num_stages:5'")
     args = p.parse_args()
+    extra = {}
+    for spec in args.extra:
+        vname, fields = spec.split("=", 1)
+        extra[vname] = {f.split(":")[0]: int(f.split(":")[1]) for f in fields.split(",")}
     dev = torch.device("cuda")
     dt = torch.bfloat16
     timer = bench.Timer(dev, warmup_ms=25, rep_ms=100)
@@ -52,8 +60,11 @@ def main():
         base = heuristic_config(T, s.E, s.K, s.H, s.I, "cuda", dt)
         ref = dispatch_triton(hidden, wt.w13, wt.w2, tw, ids, config=base)
         graphs = {}
-        for vname, cfg in neighbours(base, dt).items():
-            if args.only and vname != "heuristic" and not any(w in vname for w in args.only):
+        variants = neighbours(base, dt)
+        variants.update({k: dataclasses.replace(base, **v) for k, v in extra.items()})
+        for vname, cfg in variants.items():
+            if (args.only and vname != "heuristic" and vname not in extra
+                    and not any(w in vname for w in args.only)):
                 continue
             fn = lambda: dispatch_triton(hidden, wt.w13, wt.w2, tw, ids, config=cfg)  # noqa: E731
             try:

@@ -227,6 +227,10 @@ def test_heuristic_path_switches():
     assert not cfg(8, deepseek).fuse_combine
     # elsewhere at T == 1 the down kernel's last program does the combine
     assert cfg(1, qwen3).combine_last and cfg(1, mixtral).combine_last
+    # a 5th stage for the long weight streams of one token on Mixtral (I = 14336) alone
+    assert cfg(1, mixtral).num_stages == 5 and cfg(8, mixtral).num_stages == 4
+    assert cfg(1, qwen3).num_stages == 4 and cfg(1, deepseek).num_stages == 4
+    assert cfg(1, mixtral, f32).num_stages == 3
     assert cfg(1, qwen3, f32).combine_last
     assert not cfg(1, deepseek).combine_last and not cfg(8, qwen3).combine_last
     # 4 stages at BLOCK_M 128 up to T=4096, 3 above; 256-wide down tiles at BLOCK_M 128 in

@@ -196,6 +196,14 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
             cfg = replace(cfg, fuse_combine=True, block_n2=32, block_k2=256)
         else:
             cfg = replace(cfg, combine_last=True)
+            if not wide and I >= 8192:
+                # Long weight streams per program (the down GEMM's I-long rows, one program per
+                # 64 columns of H on ~128 SMs): a 5th stage keeps more bytes in flight per SM.
+                # H200, NOTES.md entry 44, graph replay, two runs: Mixtral T=1 193.6 -> 183.3,
+                # 193.8 -> 183.1 us (6 stages 183.9); not at T=8 (576 -> 591), nor on the short
+                # streams of Qwen3 / OLMoE T=1 (+0.4-0.8 us) or DeepSeek-V3's folded combine
+                # (176.5 -> 181.3).
+                cfg = replace(cfg, num_stages=5)
     return cfg
 
 

@@ -15,6 +15,8 @@ from moe_ops.reference.alignment import max_padded_rows
 # histogram as one [P, E] tile.
 TILE_ELEMS = 8192
 SCAN_ELEMS = 16384
+# Warps of the one-launch scan's programs (benchmarks/ab_scan.py times other values).
+SCAN_WARPS = 4
 
 
 @dataclass
@@ -68,11 +70,12 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     base = (tensor_key(ids), num_experts, block_m, bool(pdl_args)) if dev.type == "cuda" else None
     if n_programs == 1:   # decode sizes: one launch, a program per group of table blocks
         block_b = _pow2_floor(min(64, 4096 // (block_e + block_m)))
-        fk = launch_key(base, sorted_slots, block_expert, num_rows, ends)
+        fk = launch_key(base and base + (SCAN_WARPS,), sorted_slots, block_expert, num_rows,
+                        ends)
         kernel_for(scan_kernel, dev, fk)[(scan_programs(n_blocks, block_b),)](
             ids, sorted_slots, block_expert, num_rows, ends, n_slots, n_blocks,
             num_experts, BLOCK_M=block_m, BLOCK_P=next_pow2(n_slots), BLOCK_E=block_e,
-            BLOCK_B=block_b, num_warps=4, **pdl_args)
+            BLOCK_B=block_b, num_warps=SCAN_WARPS, **pdl_args)
         return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m, ends[1])
     counts = torch.empty(n_programs, block_e, dtype=torch.int32, device=dev)
     kernel_for(count_kernel, dev, launch_key(base, counts))[(n_programs,)](

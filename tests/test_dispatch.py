@@ -111,7 +111,7 @@ def test_reference_hypothesis(T, H, I, E, routing, data):
 
 
 @needs_interpreter
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(T=st.integers(0, 70), H=st.integers(1, 40), I=st.integers(1, 40), E=st.integers(1, 64),
        routing=st.sampled_from(ROUTINGS), dtype=st.sampled_from([torch.float32, torch.float16]),
        data=st.data())

@@ -55,7 +55,7 @@ def test_interpreter(interpreter, T, E, K, kw, with_bias):
 
 
 @needs_interpreter
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(T=st.integers(0, 40), E=st.integers(1, 64), data=st.data())
 def test_interpreter_hypothesis(T, E, data):
     import os
@@ -368,7 +368,7 @@ def test_rows_per_program_do_not_change_the_result(interpreter):
     for E, K, scoring, has_bias, groups, topk_groups in ((128, 8, "softmax", False, 1, 1),
                                                          (64, 6, "sigmoid", True, 8, 3)):
         bias = torch.randn(E, generator=g) * 0.1 if has_bias else None
-        x = torch.randn(150, E, generator=g)
+        x = torch.randn(37, E, generator=g)   # 37 rows: 3 programs at 16 rows, the last partial
         ref_w, ref_i = route_triton(x, K, scoring, True, bias, groups, topk_groups, 1.0)
         for bt in (1, 4, 16):
             w, i = route_triton(x, K, scoring, True, bias, groups, topk_groups, 1.0, block_t=bt)

@@ -31,6 +31,7 @@ def main():
     dt = torch.bfloat16
     timer = bench.Timer(dev, warmup_ms=25, rep_ms=100)
     grid = la.scan_programs
+    warps0 = la.SCAN_WARPS
     rows = []
     for cell in args.cells:
         c = bench.cell_inputs(cell, dev, dt)
@@ -39,7 +40,7 @@ def main():
         if args.warps:
             variants = [(f"{w} warps", grid, w) for w in args.warps]
         else:
-            variants = [("one program", lambda n, b: 1, 4), ("per group", grid, 4)]
+            variants = [("one program", lambda n, b: 1, warps0), ("per group", grid, warps0)]
         res = {v[0]: [] for v in variants}
         ref = None
         for _round in range(args.rounds):
@@ -55,7 +56,7 @@ def main():
                 res[variant].append((us, ua))
                 g = ga = None
         la.scan_programs = grid
-        la.SCAN_WARPS = 4
+        la.SCAN_WARPS = warps0
         for variant, times in res.items():
             us = min(x[0] for x in times)
             ua = min(x[1] for x in times)

@@ -69,3 +69,16 @@ def test_stub_library_loaded_first(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_installed_version_is_the_package_version():
+    """pyproject.toml takes the version from moe_ops.__version__ (written in one place only):
+    the installed distribution reports the same string."""
+    import importlib.metadata
+
+    try:
+        installed = importlib.metadata.version("moe_ops")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("moe_ops is imported from a source tree, not installed")
+    assert installed == moe_ops.__version__
+    assert 'dynamic = ["version"]' in (ROOT / "pyproject.toml").read_text()

@@ -457,6 +457,46 @@ def test_weight_grad_persistent_matches_per_tile(name, routing):
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("H, I", [(136, 56), (264, 40)])
+def test_weight_grad_split_slices_past_n(H, I, monkeypatch):
+    """The persistent weight-gradient kernel stores a 256-wide output tile in 2 or 4 column
+    slices. Where N (I for dW2, H for dW13) is not a multiple of 256, the last tile's later
+    slices lie partly or wholly past N (I = 56: slices 1-3 of 4 and 1 of 2 wholly past; H = 264:
+    the second tile holds 8 columns) and must store nothing there: bitwise the per-tile
+    kernel's gradients on poisoned memory, near float32. (No benchmark shape has such an N.)"""
+    import dataclasses
+
+    import moe_ops.launch.dispatch_backward as db
+    from moe_ops.reference import dispatch_backward_reference
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    T, E, K = 600, 8, 2
+    g = torch.Generator(device="cuda").manual_seed(H)
+    args = make_dispatch_inputs(T, H, I, E, K, dtype=torch.bfloat16, device="cuda",
+                                routing="empty_experts", weight_std=0.02, generator=g)
+    go = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    cfg = dispatch_config(T, E, K, H, I, "cuda", torch.bfloat16)
+    bc = dataclasses.replace(backward_config(cfg, "cuda", torch.bfloat16), wg_n=256,
+                             wg_ws=False)
+    ran = []
+    run = db._weight_grad_persistent
+    monkeypatch.setattr(db, "_weight_grad_persistent",
+                        lambda *a: (lambda r: (ran.append(r), r)[1])(run(*a)))
+    got = {}
+    for split in (0, 1, 2, 4):
+        v = (dataclasses.replace(bc, wg_persistent=False) if split == 0 else
+             dataclasses.replace(bc, wg_persistent=True, wg_stages=3, wg_split=split))
+        _poison_allocator()
+        got[split] = db.dispatch_backward_triton(go, *args, config=cfg, bwd_config=v)
+    assert ran == [True] * 6, ran   # dW2 and dW13 for each of the three persistent variants
+    ref = dispatch_backward_reference(go.float(), args[0].float(), args[1].float(),
+                                      args[2].float(), args[3], args[4])
+    for i, label in ((1, "w13"), (2, "w2")):
+        for split in (1, 2, 4):
+            assert torch.equal(got[split][i], got[0][i]), (split, label)
+        assert rel_err(got[0][i], ref[i]) <= BWD_RTOL[torch.bfloat16], label
+
+
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "empty_experts", "negative"])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_rows_gemm_ws_matches_per_tile(name, routing):

@@ -321,6 +321,10 @@ def test_opcheck_interpreter(interpreter):
     (lambda: torch.ops.moe.route(torch.randn(4, 8), 2, num_groups=3), ValueError, "num_groups must"),
     (lambda: torch.ops.moe.route(torch.randn(4, 8), 2, num_groups=4, topk_groups=5), ValueError, "topk_groups must"),
     (lambda: torch.ops.moe.route(torch.randn(4, 8), 5, num_groups=4, topk_groups=2), ValueError, "exceeds"),
+    (lambda: torch.ops.moe.route(torch.randn(4, 8), 2, scale=float("nan")), ValueError, "scale must be finite"),
+    (lambda: torch.ops.moe.route(torch.randn(4, 8), 2, scale=float("inf")), ValueError, "scale must be finite"),
+    (lambda: torch.ops.moe.route(torch.randn(4, 8, device="meta"), 2, scale=float("-inf")), ValueError,
+     "scale must be finite"),
 ])
 def test_errors(call, exc, match):
     with pytest.raises(exc, match=match):

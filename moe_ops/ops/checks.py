@@ -1,6 +1,8 @@
 """Eager-mode argument validation shared by the real and fake implementations."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moe_ops._runtime import checks_enabled
@@ -60,6 +62,9 @@ def check_route(router_logits, top_k, scoring, renormalize, bias, num_groups, to
         raise ValueError(
             f"top_k={top_k} exceeds the experts in the topk_groups={topk_groups} allowed groups "
             f"({topk_groups * (E // num_groups)})")
+    # (a symbolic float under torch.compile is left alone: it has no value to check)
+    if isinstance(scale, (int, float)) and not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}: every weight would be NaN or inf")
     if bias is not None:
         _tensor("bias", bias)
         if tuple(bias.shape) != (E,):

@@ -419,3 +419,15 @@ def test_errors_internal_backward_ops(path, request):
             call()
     assert bw(g, h, w13, w2, w, ids)[0].shape == (5, 8)
     assert bws(g, z, h, w13, w2, w, ids)[1].shape == w13.shape
+
+
+def test_no_tensor_descriptor_for_a_zero_stride():
+    """An expanded weight (stride 0 along E) gets no tensor descriptor (the pointer path reads
+    it); its contiguous copy does (the interpreter takes descriptors)."""
+    from moe_ops.launch.dispatch import tma_layout_ok, weight_desc
+
+    w = torch.randn(1, 32, 16, dtype=torch.float16)
+    assert tma_layout_ok(w.expand(4, -1, -1).contiguous())
+    assert not tma_layout_ok(w.expand(4, -1, -1))
+    assert weight_desc(w.expand(4, -1, -1), [1, 16, 16]) is None
+    assert weight_desc(w.expand(4, -1, -1).contiguous(), [1, 16, 16]) is not None

@@ -93,6 +93,36 @@ def test_odd_sizes():
             assert rel_err(out, _oracle(*args)) <= GPU_RTOL[dtype]
 
 
+@pytest.mark.parametrize("T", [1, 8, 2048])
+def test_expanded_weights(T):
+    """Weights broadcast over the experts (stride 0 along E, e.g. tied experts): no tensor
+    descriptor is made for a zero stride (the pointer path reads them); forward and every
+    gradient equal to those of a contiguous copy (weight gradients: the copy's summed over E)
+    and near float64."""
+    H, I, E, K = 256, 128, 16, 4
+    g = torch.Generator(device="cuda").manual_seed(T)
+    h, w13, w2, w, ids = make_dispatch_inputs(T, H, I, E, K, dtype=torch.bfloat16, device="cuda",
+                                              routing="negative", weight_std=0.05, generator=g)
+    b13 = w13[:1].clone().requires_grad_()
+    b2 = w2[:1].clone().requires_grad_()
+    h.requires_grad_()
+    w.requires_grad_()
+    out = torch.ops.moe.dispatch(h, b13.expand(E, -1, -1), b2.expand(E, -1, -1), w, ids)
+    go = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (h, b13, b2, w), go)
+    c13 = b13.detach().expand(E, -1, -1).contiguous().requires_grad_()
+    c2 = b2.detach().expand(E, -1, -1).contiguous().requires_grad_()
+    out_c = torch.ops.moe.dispatch(h, c13, c2, w, ids)
+    gh, g13, g2, gw = torch.autograd.grad(out_c, (h, c13, c2, w), go)
+    assert torch.equal(out, out_c)
+    assert rel_err(out, _oracle(h.detach(), c13.detach(), c2.detach(), w.detach(), ids)) \
+        <= GPU_RTOL[torch.bfloat16]
+    assert torch.equal(grads[0], gh) and torch.equal(grads[3], gw)
+    for got, want in ((grads[1], g13.float().sum(0, keepdim=True)),
+                      (grads[2], g2.float().sum(0, keepdim=True))):
+        assert rel_err(got.float(), want) <= 1e-2
+
+
 def test_offsets_past_2_31():
     # T*K*H = 40000*8*7168 = 2.29e9 > 2^31: per-slot output offsets need 64-bit arithmetic.
     T, H, I, E, K = 40000, 7168, 256, 8, 8

@@ -390,15 +390,16 @@ def _direct_args(al, n_experts) -> dict:
 def tma_layout_ok(t, strides=None) -> bool:
     """Whether tensor memory access can address `t` (or the view of its storage with
     `strides`): a GPU with a tensor memory accelerator (sm_90+; the interpreter too), a
-    contiguous last dimension, a 16-byte aligned base and 16-byte multiples as other strides.
-    The host descriptors (weight_desc) and the kernels that make theirs on the device (the
-    warp-specialised ones) share it."""
+    contiguous last dimension, a 16-byte aligned base and 16-byte multiples as other strides,
+    none of them 0 (an expanded tensor, e.g. one expert's weights broadcast over E: the pointer
+    path reads it as it is). The host descriptors (weight_desc) and the kernels that make
+    theirs on the device (the warp-specialised ones) share it."""
     if t.is_cuda and not _sm90(t.device):
         return False
     strides = t.stride() if strides is None else strides
     es = t.element_size()
     return (strides[-1] == 1 and t.data_ptr() % 16 == 0
-            and all(st * es % 16 == 0 for st in strides[:-1]))
+            and all(st > 0 and st * es % 16 == 0 for st in strides[:-1]))
 
 
 def weight_desc(w, block_shape, shape=None, strides=None):

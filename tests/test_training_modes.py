@@ -740,9 +740,9 @@ def test_half_tail_tiles(interpreter, monkeypatch, dtype):
         for name, err in zip(NAMES, grad_errors(grads, ref, go, args)):
             assert err <= GRAD_TOL[dtype], (seed, ht, name, err)
     for ht in (True, "tma_a"):
-        assert_equal_across_tile_heights(outs[ht][0], outs[False][0], (seed, ht))
+        assert_equal_across_tile_heights(outs[ht][0], outs[False][0], (seed, ht), dtype)
         for a, b in zip(outs[ht][2], outs[False][2]):
-            assert_equal_across_tile_heights(a, b, (seed, ht))
+            assert_equal_across_tile_heights(a, b, (seed, ht), dtype)
 
 
 @needs_interpreter

@@ -20,6 +20,7 @@ from moe_ops.kernels.expert_gemm_backward import (gather_rows_kernel, swiglu_gra
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import (_dot_precision, combine_triton, gate_up_triton, launch_ws,
                                      num_programs, rows_gemm_triton, tma_layout_ok, weight_desc)
+from moe_ops.launch.fast import launch_key, tensor_key
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
 
@@ -40,28 +41,36 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, dt)
     bc = bwd_config or backward_config(cfg, dev.type, dt, rows_per_expert=T * K / E,
                                         inter_size=I)
-    al = align_triton(topk_ids, E, cfg.block_m)
     if z is not None and tuple(z.shape) != (T * K, 2 * I):
         raise ValueError(f"saved z has shape {tuple(z.shape)}, expected {(T * K, 2 * I)}")
+    # Every argument of this call's launches is a function of this key and of the buffers each
+    # launch names in its launch_key (moe_ops.launch.fast: Triton's per-launch binding skipped).
+    key = (cfg, bc, tensor_key(grad_out), tensor_key(hidden), tensor_key(w13), tensor_key(w2),
+           tensor_key(topk_weights), tensor_key(topk_ids), z is None or tensor_key(z),
+           tuple(t.data_ptr() % 16 for t in (dx, dw13, dw2, dweights))) \
+        if dev.type == "cuda" else None
+    al = align_triton(topk_ids, E, cfg.block_m)
     n_slots = T * K
     prec = _dot_precision(dt)
     stages = bc.num_stages
 
-    xs = gather_rows_triton(hidden, al, n_slots, K)
-    gos = gather_rows_triton(grad_out, al, n_slots, K)
+    xs = gather_rows_triton(hidden, al, n_slots, K, key=key and (key, "x"))
+    gos = gather_rows_triton(grad_out, al, n_slots, K, key=key and (key, "dO"))
     dz = torch.empty(al.max_rows, 2 * I, dtype=dt, device=dev)
     sa = torch.empty(al.max_rows, I, dtype=dt, device=dev)
     # dA = dO W2_e as a plain grouped GEMM (float32 out, per slot), then one elementwise pass
     # over dA and z.
     if z is None:   # recompute: the forward's gate+up GEMM; z lives only during this call
         z = torch.empty(n_slots, 2 * I, dtype=dt, device=dev)
-        gate_up_triton(hidden, w13, sa, al, cfg, n_slots, K, z=z)
+        gate_up_triton(hidden, w13, sa, al, cfg, n_slots, K, z=z, key=key and (key, "z"))
     dA = torch.empty(n_slots, I, dtype=torch.float32, device=dev)
     rows_gemm_triton(gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), dA, al, I, H,
                      n_slots, K, bc.da_n, bc.da_k, bc.da_warps, stages, tma=bc.tma,
-                     tma_a=bc.tma_a, half_tail=bc.half_tail, ws=bc.rows_ws)
+                     tma_a=bc.tma_a, half_tail=bc.half_tail, key=key and (key, "dA"),
+                     ws=bc.rows_ws)
     block_i = min(bc.ew_i, next_pow2(I))
-    kernel_for(swiglu_grad_kernel, dev)[(cdiv(al.max_rows, bc.ew_r),)](
+    fk = launch_key(key and (key, "swiglu"), dA, z, al.sorted_slots, al.num_rows, dz, sa)
+    kernel_for(swiglu_grad_kernel, dev, fk)[(cdiv(al.max_rows, bc.ew_r),)](
         dA, z, topk_weights, al.sorted_slots, al.num_rows, dz, sa, dweights,
         n_slots, I, K, dA.stride(0), z.stride(0), topk_weights.stride(0),
         topk_weights.stride(1), dz.stride(0), sa.stride(0), dweights.stride(0),
@@ -71,27 +80,30 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     del dA, z   # a recomputed z is freed here, before the weight-gradient GEMMs
 
     # dW2_e [H, I] = sum_rows dO[t]^T (s a)[row];  dW13_e [2I, H] = sum_rows dz[row]^T x[t]
-    weight_grad_triton(gos, sa, dw2, al, bc, prec)
+    weight_grad_triton(gos, sa, dw2, al, bc, prec, key=key and (key, "dW2"))
     del gos
-    weight_grad_triton(dz, xs, dw13, al, bc, prec)
+    weight_grad_triton(dz, xs, dw13, al, bc, prec, key=key and (key, "dW13"))
     del xs
 
     # dx: per-slot dz[row] @ W13_e ([2I] x [2I, H]), then the forward's deterministic combine.
     dxs = torch.empty(n_slots, H, dtype=dt, device=dev)
     rows_gemm_triton(dz, w13, (w13.stride(0), w13.stride(2), w13.stride(1)), dxs, al, H, 2 * I,
                      n_slots, K, bc.dx_n, bc.dx_k, bc.dx_warps, stages, tma=bc.tma,
-                     tma_a=bc.tma_a, half_tail=bc.half_tail, ws=bc.rows_ws)
-    combine_triton(dxs, topk_ids, dx, E)
+                     tma_a=bc.tma_a, half_tail=bc.half_tail, key=key and (key, "dx"),
+                     ws=bc.rows_ws)
+    combine_triton(dxs, topk_ids, dx, E, key=key and (key, "dx"))
     return dx, dw13, dw2, dweights
 
 
-def gather_rows_triton(src, al, n_slots, top_k):
+def gather_rows_triton(src, al, n_slots, top_k, key=None):
     """src rows in aligned-row order ([max_rows, H]; padding rows zero, rows past the device-side
-    row count left unwritten: no kernel reads them)."""
+    row count left unwritten: no kernel reads them). `key`: the fast-launch key of the call (a
+    function of src and the alignment's shapes), or None."""
     H = src.shape[1]
     dst = torch.empty(al.max_rows, H, dtype=src.dtype, device=src.device)
     block_r = 16
-    kernel_for(gather_rows_kernel, src.device)[(cdiv(al.max_rows, block_r),)](
+    fk = launch_key(key, dst, al.sorted_slots, al.num_rows)
+    kernel_for(gather_rows_kernel, src.device, fk)[(cdiv(al.max_rows, block_r),)](
         src, al.sorted_slots, al.num_rows, dst, n_slots, top_k, H,
         src.stride(0), src.stride(1), dst.stride(0),
         BLOCK_R=block_r, BLOCK_H=min(512, next_pow2(H)), num_warps=4,
@@ -99,7 +111,7 @@ def gather_rows_triton(src, al, n_slots, top_k):
     return dst
 
 
-def weight_grad_triton(left, right, out, al, bc, prec):
+def weight_grad_triton(left, right, out, al, bc, prec, key=None):
     """out[e] ([M, N]) = sum over expert e's aligned rows of left[row]^T right[row] (up to the
     first step past its valid rows); left and right are contiguous, in aligned-row order, with
     zero padding rows."""
@@ -113,10 +125,11 @@ def weight_grad_triton(left, right, out, al, bc, prec):
         raise ValueError(f"weight-gradient step {bk} must divide block_m {al.block_m}")
     if bc.wg_ws and bc.wg_trim and _weight_grad_ws(left, right, out, al, bc, prec, bk):
         return
+    fk = launch_key(key, left, right, out, al.expert_ends)
     if bc.wg_persistent and bc.wg_trim and _weight_grad_persistent(left, right, out, al, bc, prec,
-                                                                   bk):
+                                                                   bk, fk):
         return
-    kernel_for(weight_grad_kernel, out.device)[
+    kernel_for(weight_grad_kernel, out.device, fk)[
             (E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n),)](
         left, right, out, al.expert_ends, M, N, E,
         left.stride(0), right.stride(0), out.stride(0), out.stride(1), out.stride(2),
@@ -125,7 +138,7 @@ def weight_grad_triton(left, right, out, al, bc, prec):
     )
 
 
-def _weight_grad_persistent(left, right, out, al, bc, prec, bk) -> bool:
+def _weight_grad_persistent(left, right, out, al, bc, prec, bk, fk=None) -> bool:
     """weight_grad_triton on the persistent kernel, if it applies: 16-bit operands whose tensor
     descriptors are legal here (weight_desc: 16-byte aligned rows, sm_90+ or the interpreter) and
     output block indices that fit the kernel's packed int32 (< 2^15 row blocks, < 2^16 column
@@ -149,7 +162,7 @@ def _weight_grad_persistent(left, right, out, al, bc, prec, bk) -> bool:
         return False
     n_tiles = E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n)
     programs = min(num_programs(out.device) * bc.wg_per_sm, n_tiles)
-    kernel_for(weight_grad_persistent_kernel, out.device)[(programs,)](
+    kernel_for(weight_grad_persistent_kernel, out.device, fk)[(programs,)](
         *descs, al.expert_ends, M, N, E, left.shape[0],
         BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, CHUNK=bc.wg_chunk, SPLIT=split,
         NUM_PROGRAMS=programs, DOT_PRECISION=prec,

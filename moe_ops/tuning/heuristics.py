@@ -88,6 +88,7 @@ _ws_warned = False
 def clear_config_cache() -> None:
     """Forget memoised configs (after a tuned table changed on disk)."""
     _cached_config.cache_clear()
+    _backward_config.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)
@@ -317,7 +318,15 @@ class BackwardConfig:
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
                     rows_per_expert: float = 0.0, inter_size: int = 0) -> BackwardConfig:
     """rows_per_expert: the mean aligned rows per expert, T*K/E (0: unknown, as for large T);
-    inter_size: the experts' I (0: unknown)."""
+    inter_size: the experts' I (0: unknown). Memoised (every backward asks; the chain of
+    dataclasses.replace below costs host time), with warp_specialize_enabled() in the key."""
+    ws = device_type == "cuda" and dtype != torch.float32 and warp_specialize_enabled()
+    return _backward_config(fwd, device_type, dtype, rows_per_expert, inter_size, ws)
+
+
+@functools.lru_cache(maxsize=4096)
+def _backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
+                     rows_per_expert: float, inter_size: int, ws: bool) -> BackwardConfig:
     if device_type != "cuda":
         return BackwardConfig(32, 32, 16, 1, 32, 32, 1, 1, da_n=32, da_k=32, da_warps=1,
                               ew_r=16, ew_i=32)
@@ -350,7 +359,7 @@ def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
     # H200, NOTES.md entry 24, T=8192, weight-gradient ms (backward ms): Qwen3 1.29 -> 1.07
     # (2.99 -> 2.80), OLMoE 1.51 -> 1.38 (3.52 -> 3.27), DeepSeek-V3 15.6 -> 13.8 (27.95 ->
     # 26.96), Mixtral 9.53 -> 8.74 (19.38 -> 19.21); 128x128 tiles with 4 stages were slower.
-    if not warp_specialize_enabled():
+    if not ws:
         return cfg
     cfg = replace(cfg, wg_ws=True, wg_n=256, wg_stages=3)
     if fwd.block_m == 128 and rows_per_expert >= 256 and 0 < inter_size <= 1024:

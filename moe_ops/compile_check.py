@@ -58,7 +58,9 @@ class Compiled:
 @contextlib.contextmanager
 def capture() -> Iterator[list]:
     """Inside the block, the launchers record their kernel launches (moe_ops' Hopper paths on:
-    programmatic dependent launch, the fence of the folded combine) instead of running them."""
+    programmatic dependent launch, the fence of the folded combine) instead of running them.
+    The records keep the launches' arguments alive, so under it autograd's AccumulateGrad
+    copies gradients it would otherwise take over: do not time an autograd step inside it."""
     from moe_ops.launch import alignment, dispatch, dispatch_backward
 
     launches: list = []

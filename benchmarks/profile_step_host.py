@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import moe_ops  # noqa: F401
-from moe_ops import bench
+from profile_train_step import training_step   # benchmarks/ (this script's folder)
 
 
 def host_us(f, n=50):
@@ -31,20 +31,7 @@ def host_us(f, n=50):
 
 def main() -> None:
     cell = sys.argv[1] if len(sys.argv) > 1 else "qwen3_30b_a3b:64"
-    c = bench.cell_inputs(cell, torch.device("cuda"), torch.bfloat16)
-    hidden = c.hidden.detach().clone().requires_grad_(True)
-    w13 = c.weights.w13.detach().requires_grad_(True)
-    w2 = c.weights.w2.detach().requires_grad_(True)
-    tw = c.topk_weights.detach().float().clone().requires_grad_(True)   # as bench_train
-    ids = c.topk_ids.to(torch.int32)
-    go = torch.randn_like(c.hidden)
-    leaves = [hidden, w13, w2, tw]
-    args = (hidden.detach(), w13.detach(), w2.detach(), tw.detach(), ids)
-
-    def step():
-        for t in leaves:
-            t.grad = None
-        torch.ops.moe.dispatch(hidden, w13, w2, tw, ids).backward(go)
+    step, args, go = training_step(cell, torch.device("cuda"), torch.bfloat16)
 
     def ops():
         with torch.no_grad():

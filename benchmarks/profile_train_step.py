@@ -18,6 +18,30 @@ import sys
 import torch
 
 
+def training_step(cell: str, dev: torch.device, dt: torch.dtype):
+    """bench_train's inputs for `cell` ("shape:T" as in moe_ops.bench): (step, args, go), where
+    step() runs one autograd training step of moe.dispatch (the leaves' .grad set to None first)
+    and args = (hidden, w13, w2, topk_weights, topk_ids) detached, for calling the two ops
+    (moe.dispatch_train, moe.dispatch_backward_saved with grad_out `go`) directly."""
+    from moe_ops import bench
+
+    c = bench.cell_inputs(cell, dev, dt)
+    hidden = c.hidden.detach().clone().requires_grad_(True)
+    w13 = c.weights.w13.detach().requires_grad_(True)
+    w2 = c.weights.w2.detach().requires_grad_(True)
+    tw = c.topk_weights.detach().float().clone().requires_grad_(True)   # as bench_train
+    ids = c.topk_ids.to(torch.int32)
+    go = torch.randn_like(c.hidden)
+    leaves = [hidden, w13, w2, tw]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        torch.ops.moe.dispatch(hidden, w13, w2, tw, ids).backward(go)
+
+    return step, (hidden.detach(), w13.detach(), w2.detach(), tw.detach(), ids), go
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,22 +60,8 @@ def main(argv=None) -> int:
     dt = torch.bfloat16
     rows = []
     for cell in a.cells:
-        c = bench.cell_inputs(cell, dev, dt)
-        hidden = c.hidden.detach().clone().requires_grad_(True)
-        w13 = c.weights.w13.detach().requires_grad_(True)
-        w2 = c.weights.w2.detach().requires_grad_(True)
-        tw = c.topk_weights.detach().float().clone().requires_grad_(True)   # as bench_train
-        ids = c.topk_ids.to(torch.int32)
-        go = torch.randn_like(c.hidden)
-        leaves = [hidden, w13, w2, tw]
-
-        def step():
-            for t in leaves:
-                t.grad = None
-            torch.ops.moe.dispatch(hidden, w13, w2, tw, ids).backward(go)
-
+        step, args, go = training_step(cell, dev, dt)
         with torch.no_grad():
-            args = (hidden.detach(), w13.detach(), w2.detach(), tw.detach(), ids)
             _, z = torch.ops.moe.dispatch_train(*args)
             fwd = lambda: torch.ops.moe.dispatch_train(*args)   # noqa: E731
             bwd = lambda: torch.ops.moe.dispatch_backward_saved(go, z, *args)   # noqa: E731
@@ -67,7 +77,7 @@ def main(argv=None) -> int:
         for name, us in list(kt.items())[:a.top]:
             print(f"   {us / 1000.0:9.3f} ms  {name}")
         rows.append((cell, t_s, t_f, t_b, total))
-        hidden = w13 = w2 = tw = go = z = c = leaves = None   # free before the next cell
+        step = args = go = z = None   # free before the next cell
         torch.cuda.empty_cache()
     print("\ncell                   step ms  fwd ms  bwd ms  fwd+bwd  kernels  step-kernels")
     for cell, t_s, t_f, t_b, total in rows:

@@ -510,8 +510,12 @@ def test_weight_grad_split_slices_past_n(H, I, monkeypatch):
                              wg_ws=False)
     ran = []
     run = db._weight_grad_persistent
-    monkeypatch.setattr(db, "_weight_grad_persistent",
-                        lambda *a: (lambda r: (ran.append(r), r)[1])(run(*a)))
+
+    def spy(*a):
+        ran.append(run(*a))
+        return ran[-1]
+
+    monkeypatch.setattr(db, "_weight_grad_persistent", spy)
     got = {}
     for split in (0, 1, 2, 4):
         v = (dataclasses.replace(bc, wg_persistent=False) if split == 0 else

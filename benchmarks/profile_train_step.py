@@ -7,13 +7,18 @@ bench_train times it (leaves' .grad set to None, forward under autograd, backwar
 forward (moe.dispatch_train) and the backward (moe.dispatch_backward_saved) timed alone, and
 every CUDA kernel of the step with its time per step (torch.profiler), so that what is
 neither op's kernel (gradient accumulation, copies, fills) and the gaps between kernels show.
+With --host also the host time of the step against the two ops called directly, and
+torch.profiler's CPU table of the step (entry 49: at Qwen3 T=2048 the step spent ~1.1 ms of
+host time beyond the ops; --host was added in the twentieth session and has not run on a GPU).
 
     PYTHONPATH=. python benchmarks/profile_train_step.py --cells mixtral_8x7b:32768 qwen3_30b_a3b:8192
+    PYTHONPATH=. python benchmarks/profile_train_step.py --cells qwen3_30b_a3b:64 --host
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 
@@ -42,12 +47,48 @@ def training_step(cell: str, dev: torch.device, dt: torch.dtype):
     return step, (hidden.detach(), w13.detach(), w2.detach(), tw.detach(), ids), go
 
 
+def host_us(f, n=50):
+    """(queued host us per call, us per call including the GPU's catch-up)."""
+    for _ in range(5):
+        f()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        f()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6
+
+
+def host_report(step, args, go) -> None:
+    """--host: the step's host time against the two ops', then torch.profiler's CPU table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def ops():
+        with torch.no_grad():
+            _, z = torch.ops.moe.dispatch_train(*args)
+            torch.ops.moe.dispatch_backward_saved(go, z, *args)
+
+    for _ in range(3):
+        print("   autograd step: host %.0f us, with GPU %.0f us" % host_us(step),
+              "| the two ops: host %.0f us, with GPU %.0f us" % host_us(ops))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cells", nargs="+", default=["mixtral_8x7b:32768", "qwen3_30b_a3b:8192"],
                    help="shape:T as in moe_ops.bench")
     p.add_argument("--top", type=int, default=16, help="kernels listed per cell")
+    p.add_argument("--host", action="store_true",
+                   help="also the step's host time against the two ops', and the CPU profile")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_train_step.py needs a CUDA GPU", file=sys.stderr)
@@ -76,6 +117,8 @@ def main(argv=None) -> int:
               f"(step - kernels = {t_s - total:.2f} ms of gaps)")
         for name, us in list(kt.items())[:a.top]:
             print(f"   {us / 1000.0:9.3f} ms  {name}")
+        if a.host:
+            host_report(step, args, go)
         rows.append((cell, t_s, t_f, t_b, total))
         step = args = go = z = None   # free before the next cell
         torch.cuda.empty_cache()

@@ -7,12 +7,12 @@ bench_train times it (leaves' .grad set to None, forward under autograd, backwar
 forward (moe.dispatch_train) and the backward (moe.dispatch_backward_saved) timed alone, and
 every CUDA kernel of the step with its time per step (torch.profiler), so that what is
 neither op's kernel (gradient accumulation, copies, fills) and the gaps between kernels show.
-With --host also the host time of the step against the two ops called directly, and
-torch.profiler's CPU table of the step (entry 49: at Qwen3 T=2048 the step spent ~1.1 ms of
-host time beyond the ops; --host was added in the twentieth session and has not run on a GPU).
+With --host also the host time of the step against the two ops called directly,
+torch.profiler's CPU table of the step and a cProfile of its Python (entries 49-50); with --graph
+the step captured in a CUDA graph (entry 50: small-T training steps are host-bound eagerly).
 
     PYTHONPATH=. python benchmarks/profile_train_step.py --cells mixtral_8x7b:32768 qwen3_30b_a3b:8192
-    PYTHONPATH=. python benchmarks/profile_train_step.py --cells qwen3_30b_a3b:64 --host
+    PYTHONPATH=. python benchmarks/profile_train_step.py --cells qwen3_30b_a3b:64 --host --graph
 """
 from __future__ import annotations
 
@@ -79,6 +79,34 @@ def host_report(step, args, go) -> None:
             step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(50):
+        step()
+    pr.disable()
+    torch.cuda.synchronize()
+    sio = io.StringIO()
+    pstats.Stats(pr, stream=sio).sort_stats("tottime").print_stats(30)
+    print("cProfile of 50 autograd steps (Python functions by own time):")
+    print(sio.getvalue())
+
+
+def graphed(step):
+    """step captured in a CUDA graph (warmed up on a side stream first): its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def main(argv=None) -> int:
@@ -87,6 +115,9 @@ def main(argv=None) -> int:
     p.add_argument("--cells", nargs="+", default=["mixtral_8x7b:32768", "qwen3_30b_a3b:8192"],
                    help="shape:T as in moe_ops.bench")
     p.add_argument("--top", type=int, default=16, help="kernels listed per cell")
+    p.add_argument("--graph", action="store_true",
+                   help="also the step captured in a CUDA graph (its replay), and its host time")
+    p.add_argument("--rounds", type=int, default=3, help="--graph: alternating eager/graph rounds")
     p.add_argument("--host", action="store_true",
                    help="also the step's host time against the two ops', and the CPU profile")
     a = p.parse_args(argv)
@@ -117,15 +148,31 @@ def main(argv=None) -> int:
               f"(step - kernels = {t_s - total:.2f} ms of gaps)")
         for name, us in list(kt.items())[:a.top]:
             print(f"   {us / 1000.0:9.3f} ms  {name}")
+        t_g = None
+        if a.graph:
+            replay = graphed(step)
+            # alternating rounds (the GPU's clocks drift over a run); medians of the rounds
+            pairs = [(triton.testing.do_bench(step), triton.testing.do_bench(replay))
+                     for _ in range(a.rounds)]
+            t_s = sorted(e for e, _ in pairs)[len(pairs) // 2]
+            t_g = sorted(g for _, g in pairs)[len(pairs) // 2]
+            print("   eager step / its CUDA graph's replay, ms per round: " +
+                  ", ".join(f"{e:.2f}/{g:.2f}" for e, g in pairs))
+            print("   replay: host %.0f us, with GPU %.0f us per replay" % host_us(replay))
+            kg = bench.kernel_times_us(replay, n=3, name_len=40)
+            print(f"   kernels in the replay {sum(kg.values()) / 1000.0:.2f} ms:")
+            for name, us in list(kg.items())[:a.top]:
+                print(f"   {us / 1000.0:9.3f} ms  {name} (eager {kt.get(name, 0.0) / 1000.0:.3f})")
+            replay = None
         if a.host:
             host_report(step, args, go)
-        rows.append((cell, t_s, t_f, t_b, total))
+        rows.append((cell, t_s, t_f, t_b, total, t_g))
         step = args = go = z = None   # free before the next cell
         torch.cuda.empty_cache()
-    print("\ncell                   step ms  fwd ms  bwd ms  fwd+bwd  kernels  step-kernels")
-    for cell, t_s, t_f, t_b, total in rows:
+    print("\ncell                   step ms  fwd ms  bwd ms  fwd+bwd  kernels  step-kernels  graph ms")
+    for cell, t_s, t_f, t_b, total, t_g in rows:
         print(f"{cell:<22} {t_s:8.2f} {t_f:7.2f} {t_b:7.2f} {t_f + t_b:8.2f} {total:8.2f} "
-              f"{t_s - total:12.2f}")
+              f"{t_s - total:12.2f}  " + ("-" if t_g is None else f"{t_g:8.2f}"))
     return 0
 
 

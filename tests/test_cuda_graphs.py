@@ -174,6 +174,148 @@ def test_decode_step_captured_in_cuda_graph_replays_on_new_inputs(T, router):
 
 
 # ----------------------------------------------------------------------------------------------
+# Training steps in CUDA graphs (forward + backward): a small-batch training step is host-bound
+# in eager mode (benchmarks/NOTES.md, entry 50); captured, it replays at the kernels' time.
+
+
+def _train_leaves(T, gen):
+    return dict(x=randn(T, H, gen=gen).requires_grad_(True),
+                logits=randn(T, E, gen=gen, dtype=torch.float32).requires_grad_(True),
+                w13=(randn(E, 2 * I, H, gen=gen) / H ** 0.5).requires_grad_(True),
+                w2=(randn(E, H, I, gen=gen) / I ** 0.5).requires_grad_(True))
+
+
+def train_step(leaves, go, bias, router):
+    """moe.route + moe.dispatch forward and backward; .grad set to None first, so that the
+    gradients are fresh tensors (captured: the graph's static buffers)."""
+    for t in leaves.values():
+        t.grad = None
+    w, ids = route(leaves["logits"], router, bias, K)
+    out = torch.ops.moe.dispatch(leaves["x"], leaves["w13"], leaves["w2"], w, ids)
+    out.backward(go)
+    return ids
+
+
+@pytest.mark.parametrize("router", ["softmax", "deepseek"])
+@pytest.mark.parametrize("T", [64, 301])
+def test_training_step_captured_in_cuda_graph_replays_on_new_inputs(T, router):
+    """The whole step (route, dispatch, both backwards) captured by hand; each replay on fresh
+    inputs gives the eager step's gradients bitwise (every kernel of both ops is deterministic)
+    and overwrites gradient buffers poisoned with NaN before it."""
+    gen, seed = fresh_generator()
+    leaves = _train_leaves(T, gen)
+    bias = 0.1 * randn(E, gen=gen, dtype=torch.float32)
+    static_go = randn(T, H, gen=gen)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            train_step(leaves, static_go, bias, router)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_ids = train_step(leaves, static_go, bias, router)
+    static_grads = {n: t.grad for n, t in leaves.items()}
+
+    seen = set()
+    for step in range(4):
+        fresh = _train_leaves(T, gen)
+        go = randn(T, H, gen=gen)
+        with torch.no_grad():
+            for n, t in leaves.items():
+                t.copy_(fresh[n])
+            static_go.copy_(go)
+            for g in static_grads.values():
+                g.fill_(float("nan"))
+        graph.replay()
+        ids = static_ids.clone()
+        grads = {n: g.clone() for n, g in static_grads.items()}
+        ref_ids = train_step(fresh, go, bias, router)
+        what = f"T={T} {router} replay {step} (seed {seed})"
+        assert torch.equal(ids, ref_ids), what
+        for n, g in grads.items():
+            ref = fresh[n].grad
+            assert not torch.isnan(g).any(), f"{what}: grad of {n} holds NaN (not rewritten)"
+            assert torch.equal(g, ref), \
+                f"{what}: grad of {n} differs from eager, max {(g.float() - ref.float()).abs().max()}"
+        seen.add(tuple(ids.flatten().tolist()))
+    assert len(seen) > 1, "every replay routed alike: the graph is not reading its new inputs"
+
+
+def test_make_graphed_callables_trains_the_block():
+    """torch.cuda.make_graphed_callables on the MoE block (RMSNorm, router, moe.route,
+    moe.dispatch): forward and backward replay their graphs; output, ids and every parameter's
+    gradient (and the input's) match the eager block on fresh inputs."""
+    gen, seed = fresh_generator()
+    T = 96
+    block = make_block(router="deepseek").train()
+    for p in block.parameters():
+        p.requires_grad_(True)
+    sample = randn(T, H, gen=gen).requires_grad_(True)
+    graphed = torch.cuda.make_graphed_callables(block, (sample,))
+    params = dict(block.named_parameters())
+    for step in range(3):
+        x = randn(T, H, gen=gen)
+        go = randn(T, H, gen=gen)
+        results = []
+        for fn in (graphed, block):
+            for p in params.values():
+                p.grad = None
+            xi = x.clone().requires_grad_(True)
+            out, ids = fn(xi)
+            out.backward(go)
+            results.append((out.detach().clone(), ids.clone(), xi.grad.clone(),
+                            {n: p.grad.clone() for n, p in params.items()}))
+        (out, ids, gx, grads), (ref, ref_ids, ref_gx, ref_grads) = results
+        what = f"make_graphed_callables step {step} (seed {seed})"
+        assert torch.equal(ids, ref_ids), what
+        assert rel_err(out, ref) <= 1e-6, what
+        assert rel_err(gx, ref_gx) <= 1e-6, what
+        for n in params:
+            assert rel_err(grads[n], ref_grads[n]) <= 1e-6, f"{what}: grad of {n}"
+
+
+def test_reduce_overhead_training_step_runs_in_cuda_graphs():
+    """torch.compile(mode="reduce-overhead") of the block, trained (forward and backward): no
+    cudagraph skip, replays (static output buffers), gradients close to the eager block's."""
+    torch._dynamo.reset()
+    counters.clear()
+    gen, seed = fresh_generator()
+    T = 128
+    block = make_block().train()
+    params = dict(block.named_parameters())
+    comparison = RoutingAwareComparison()
+    ptrs = []
+    with inductor_config.patch({"triton.cudagraph_or_error": True}):
+        compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+        for step in range(5):
+            x = randn(T, H, gen=gen)
+            go = randn(T, H, gen=gen)
+            for p in params.values():
+                p.grad = None
+            torch.compiler.cudagraph_mark_step_begin()
+            with torch.compiler.set_stance("fail_on_recompile" if step else "default"):
+                out, ids = compiled(x)
+            out.backward(go)
+            ptrs.append(out.data_ptr())
+            out, ids = out.detach().clone(), ids.clone()
+            grads = {n: p.grad.clone() for n, p in params.items()}
+            for p in params.values():
+                p.grad = None
+            ref, ref_ids = block(x)
+            ref.backward(go)
+            what = f"reduce-overhead training step {step} (seed {seed})"
+            comparison.add(out, ids, ref.detach(), ref_ids, what)
+            if torch.equal(ids, ref_ids):   # gradients compared where the routing agrees
+                for n, p in params.items():
+                    assert rel_err(grads[n], p.grad) <= SAME_ROUTING_REL, f"{what}: grad of {n}"
+    comparison.check(f"reduce-overhead training (seed {seed})")
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert ptrs[-1] == ptrs[-2], "the last two steps' outputs differ in address: not replays"
+
+
+# ----------------------------------------------------------------------------------------------
 # No host synchronisation
 
 

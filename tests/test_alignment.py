@@ -45,7 +45,22 @@ def test_alignment_exact(interpreter, routing, block_m):
     _check(ids, 12, block_m)
 
 
-def test_alignment_many_programs(interpreter):
+@pytest.mark.parametrize("variant", ["two_launch_tri", "two_launch_cumsum", "columns"])
+def test_alignment_many_programs(interpreter, variant, monkeypatch):
+    """Every multi-program variant gives the reference's table exactly: the two-launch path
+    with triangular in-chunk ranks and with cumulative sums, and the three-launch path (count,
+    column scan, place; the default for large T*K, with ~one chunk per program and up to 4096
+    programs, too slow to interpret here) with 40 programs of several chunks each and a column
+    scan of several steps."""
+    import moe_ops.launch.alignment as la
+
+    if variant in ("two_launch_tri", "two_launch_cumsum"):
+        monkeypatch.setattr(la, "COLUMNS_MIN_CHUNKS", 1 << 30)
+        monkeypatch.setattr(la, "TRI_RANK", variant == "two_launch_tri")
+    if variant == "columns":
+        monkeypatch.setattr(la, "COLUMNS_MIN_CHUNKS", 1)
+        monkeypatch.setattr(la, "MAX_COLUMN_PROGRAMS", 40)
+        monkeypatch.setattr(la, "COLUMN_SCAN_BLOCK", 16)
     # enough slots for several count/scatter programs, each walking several chunks
     ids = torch.randint(-1, 256, (3000, 8), dtype=torch.int32)
     _check(ids, 256, 16)

@@ -287,7 +287,7 @@ def test_pdl_launch_options_only_on_sm90(monkeypatch):
     launch._sm90.cache_clear()
 
 
-@pytest.mark.parametrize("T", [4, 200])   # the one-launch scan; count + place
+@pytest.mark.parametrize("T", [4, 200, 50000])   # one-launch scan; count + place; + column scan
 @pytest.mark.parametrize("pdl", [True, False])
 def test_alignment_launch_options_follow_the_forward(T, pdl):
     """moe.dispatch's forward launches its alignment kernels with programmatic dependent launch
@@ -302,12 +302,14 @@ def test_alignment_launch_options_follow_the_forward(T, pdl):
     cfg = dataclasses.replace(heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16), pdl=pdl)
     launches = forward_launches((H, I, E, K), T, cfg, torch.bfloat16, backward=True)
     names = [ln.name for ln in launches]
-    align = {"scan_kernel", "count_kernel", "place_kernel"}
+    align = {"scan_kernel", "count_kernel", "place_kernel", "column_scan_kernel",
+             "place_columns_kernel"}
     first_gemm = names.index("gate_up_kernel")
     fwd = [ln for ln in launches[:first_gemm] if ln.name in align]
     bwd = [ln for ln in launches[first_gemm:] if ln.name in align]
-    assert [ln.name for ln in fwd] == (["scan_kernel"] if T == 4 else
-                                       ["count_kernel", "place_kernel"]), names
+    assert [ln.name for ln in fwd] == {
+        4: ["scan_kernel"], 200: ["count_kernel", "place_kernel"],
+        50000: ["count_kernel", "column_scan_kernel", "place_columns_kernel"]}[T], names
     assert len(bwd) == len(fwd), names
     for ln in fwd:
         assert ln.kwargs.get("USE_PDL", False) is pdl and ln.kwargs.get("launch_pdl", False) is pdl

@@ -1,15 +1,19 @@
 """Alignment: token slots sorted by expert into blocks of BLOCK_M rows, on the GPU, no atomics.
 
-One launch (scan_kernel) when all slots fit one tile; otherwise two launches over P
-programs (each owning a contiguous span of slots, walked in CHUNK pieces): count (per-program
-expert histogram), then place: every program reads the whole [P, E] histogram (from L2), derives
-the per-expert padded starts and its own per-expert bases, scatters its span (each slot's row =
-its base for its expert + its rank among earlier slots of that expert in the span) and writes its
-share of the block -> expert table and of the padding sentinels (program 0 also the padded row
-count and the expert ends, padded and valid). Ranks come from a one-hot cumulative sum, so the
-order within an expert is the slot order and the result is the same on every run. Layout:
-moe_ops/reference/alignment.py. (A one-program scan between count and scatter, with the
-sentinels in a BLOCK_M-step loop, took 26-59 us at T = 2048-8192: NOTES.md, entry 18.)"""
+One launch (scan_kernel) when all slots fit one tile; otherwise P programs, each owning a
+contiguous span of slots walked in CHUNK pieces: count (per-program expert histogram), then
+place: a program derives the per-expert padded starts and its own per-expert bases, scatters
+its span (each slot's row = its base for its expert + its rank among earlier slots of that
+expert in the span) and writes its share of the block -> expert table and of the padding
+sentinels (program 0 also the padded row count and the expert ends, padded and valid). In the
+two-launch form every place program reads the whole [P, E] histogram (from L2), which bounds
+P; for large T*K a column scan between them (column_scan_kernel: one program per expert, the
+offsets of every program within that expert) lets place read only its own offsets, so there
+are more programs of about one chunk each (benchmarks/NOTES.md, entry 51). Ranks come from a
+one-hot cumulative sum or a triangular compare, so the order within an expert is the slot
+order and the result is the same on every run. Layout: moe_ops/reference/alignment.py. (A
+one-program scan between count and scatter, with the sentinels in a BLOCK_M-step loop, took
+26-59 us at T = 2048-8192: NOTES.md, entry 18.)"""
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -35,8 +39,12 @@ def load_ids(ptrs, mask, E):
 
 
 @triton.jit
-def count_kernel(ids_ptr, counts_ptr, n_slots, span, E,
-                 CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = False):
+def count_kernel(ids_ptr, counts_ptr, n_slots, span, E, counts_pstride,
+                 CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr = False,
+                 COLUMNS: tl.constexpr = False):
+    """Each program's expert histogram of its span of slots: counts[pid, e] ([P, BLOCK_E]), or
+    with COLUMNS counts[e, pid] ([BLOCK_E, P]: row e is expert e's counts over the programs, for
+    column_scan_kernel)."""
     pid = tl.program_id(0)
     pdl_start(USE_PDL)
     experts = tl.arange(0, BLOCK_E)
@@ -48,7 +56,10 @@ def count_kernel(ids_ptr, counts_ptr, n_slots, span, E,
         ids, valid = load_ids(ids_ptr + offs, m, E)
         onehot = (ids[:, None] == experts[None, :]) & valid[:, None]
         counts += tl.sum(onehot.to(tl.int32), axis=0)
-    tl.store(counts_ptr + pid * BLOCK_E + experts, counts)
+    if COLUMNS:
+        tl.store(counts_ptr + experts * counts_pstride + pid, counts)
+    else:
+        tl.store(counts_ptr + pid * BLOCK_E + experts, counts)
 
 
 @triton.jit
@@ -118,10 +129,31 @@ def block_table(sorted_ptr, block_expert_ptr, valid_ends, ends, experts, num_row
 
 
 @triton.jit
+def place_chunk(sorted_ptr, offs, ids, valid, base, experts, CHUNK: tl.constexpr,
+                TRI_RANK: tl.constexpr):
+    """Scatters one chunk of slots (each to its expert's base + its rank among the chunk's
+    earlier slots of that expert); returns the bases moved past the chunk. TRI_RANK: ranks by a
+    [CHUNK, CHUNK] triangular compare and row sums, else by a cumulative sum down the one-hot
+    [CHUNK, E] tile."""
+    onehot = ((ids[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)
+    if TRI_RANK:
+        j = tl.arange(0, CHUNK)
+        same = (ids[:, None] == ids[None, :]) & valid[None, :] & (j[None, :] < j[:, None])
+        rank = tl.sum(same.to(tl.int32), axis=1)
+        row = tl.sum(onehot * base[None, :], axis=1) + rank
+    else:
+        rank = tl.cumsum(onehot, axis=0) - onehot
+        row = tl.sum((rank + base[None, :]) * onehot, axis=1)
+    tl.store(sorted_ptr + row, offs.to(tl.int32), mask=valid)
+    return base + tl.sum(onehot, axis=0)
+
+
+@triton.jit
 def place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
                  expert_ends_ptr, n_programs, n_slots, span, n_blocks, E,
                  CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr = False):
+                 BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr = False,
+                 TRI_RANK: tl.constexpr = False):
     pid = tl.program_id(0)
     pdl_start(USE_PDL)
     experts = tl.arange(0, BLOCK_E)
@@ -139,10 +171,51 @@ def place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr
         offs = start + c + tl.arange(0, CHUNK)
         m = (offs < n_slots) & (offs < start + span)
         ids, valid = load_ids(ids_ptr + offs, m, E)
-        onehot = ((ids[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)
-        rank = tl.cumsum(onehot, axis=0) - onehot
-        row = tl.sum((rank + base[None, :]) * onehot, axis=1)
-        tl.store(sorted_ptr + row, offs.to(tl.int32), mask=valid)
-        base += tl.sum(onehot, axis=0)
+        base = place_chunk(sorted_ptr, offs, ids, valid, base, experts, CHUNK, TRI_RANK)
+    block_table(sorted_ptr, block_expert_ptr, starts + totals, ends, experts, num_rows, n_slots,
+                pid, n_blocks, n_programs, E, BLOCK_M, BLOCK_E, BLOCK_B)
+
+
+@triton.jit
+def column_scan_kernel(counts_ptr, totals_ptr, n_programs, BLOCK_P: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
+    """Program e: expert e's counts over the count programs (row e of [BLOCK_E, P]) replaced by
+    their exclusive prefix sums (each place program's offset within the expert), and the total
+    in totals[e]."""
+    e = tl.program_id(0)
+    pdl_start(USE_PDL)
+    row = counts_ptr + e.to(tl.int64) * n_programs
+    carry = 0
+    for p0 in range(0, n_programs, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        c = tl.load(row + p, mask=p < n_programs, other=0)
+        tl.store(row + p, carry + tl.cumsum(c, axis=0) - c, mask=p < n_programs)
+        carry += tl.sum(c, axis=0)
+    tl.store(totals_ptr + e, carry)
+
+
+@triton.jit
+def place_columns_kernel(ids_ptr, offsets_ptr, totals_ptr, sorted_ptr, block_expert_ptr,
+                         num_rows_ptr, expert_ends_ptr, n_programs, n_slots, span, n_blocks, E,
+                         CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr = False,
+                         TRI_RANK: tl.constexpr = False):
+    """place_kernel after column_scan_kernel: a program reads the experts' totals and its own
+    offsets (2 * BLOCK_E values) instead of the whole [P, E] histogram, so P is not bounded by
+    one tile and each program walks one or two chunks."""
+    pid = tl.program_id(0)
+    pdl_start(USE_PDL)
+    experts = tl.arange(0, BLOCK_E)
+    totals = tl.load(totals_ptr + experts)
+    starts, ends, num_rows = expert_ranges(totals, BLOCK_M)
+    if pid == 0:
+        store_ranges(expert_ends_ptr, num_rows_ptr, experts, starts, ends, totals, num_rows, E)
+    base = starts + tl.load(offsets_ptr + experts.to(tl.int64) * n_programs + pid)
+    start = pid.to(tl.int64) * span
+    for c in range(0, span, CHUNK):
+        offs = start + c + tl.arange(0, CHUNK)
+        m = (offs < n_slots) & (offs < start + span)
+        ids, valid = load_ids(ids_ptr + offs, m, E)
+        base = place_chunk(sorted_ptr, offs, ids, valid, base, experts, CHUNK, TRI_RANK)
     block_table(sorted_ptr, block_expert_ptr, starts + totals, ends, experts, num_rows, n_slots,
                 pid, n_blocks, n_programs, E, BLOCK_M, BLOCK_E, BLOCK_B)

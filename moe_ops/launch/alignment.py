@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
-from moe_ops.kernels.alignment import count_kernel, place_kernel, scan_kernel
+from moe_ops.kernels.alignment import (column_scan_kernel, count_kernel, place_columns_kernel,
+                                       place_kernel, scan_kernel)
 from moe_ops.launch.fast import launch_key, tensor_key
 from moe_ops.reference.alignment import max_padded_rows
 
@@ -17,6 +18,18 @@ TILE_ELEMS = 8192
 SCAN_ELEMS = 16384
 # Warps of the one-launch scan's programs (benchmarks/ab_scan.py times other values).
 SCAN_WARPS = 4
+# Three launches (count, column scan, place) instead of two where the two-launch programs would
+# each walk at least this many chunks (their count is bounded by SCAN_ELEMS / E, as each reads
+# the whole histogram); then up to MAX_COLUMN_PROGRAMS programs of ~one chunk each
+# (benchmarks/NOTES.md, entry 51: Qwen3-30B-A3B T=8192 58 -> 32 us, DeepSeek-V3 125 -> 36 us).
+COLUMNS_MIN_CHUNKS = 2
+MAX_COLUMN_PROGRAMS = 4096
+COLUMN_SCAN_BLOCK = 1024   # programs' counts per step of the column scan
+# Two-launch place: in-chunk ranks by a triangular [CHUNK, CHUNK] compare instead of a
+# cumulative sum down the [CHUNK, E] one-hot tile where CHUNK <= TRI_MAX_CHUNK (E >= 64); faster
+# there by 10-20%, slower in the three-launch place (entry 51), which keeps the cumulative sum.
+TRI_RANK = True
+TRI_MAX_CHUNK = 128
 
 
 @dataclass
@@ -77,18 +90,54 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
             num_experts, BLOCK_M=block_m, BLOCK_P=next_pow2(n_slots), BLOCK_E=block_e,
             BLOCK_B=block_b, num_warps=SCAN_WARPS, **pdl_args)
         return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m, ends[1])
-    counts = torch.empty(n_programs, block_e, dtype=torch.int32, device=dev)
-    kernel_for(count_kernel, dev, launch_key(base, counts))[(n_programs,)](
-        ids, counts, n_slots, span, num_experts, CHUNK=chunk, BLOCK_E=block_e, **pdl_args)
-    # each place program owns about n_blocks / n_programs blocks of the table
-    block_b = min(next_pow2(cdiv(n_blocks, n_programs)), _pow2_floor(4096 // (block_e + block_m)))
-    fk = launch_key(base, counts, sorted_slots, block_expert, num_rows, ends)
-    kernel_for(place_kernel, dev, fk)[(n_programs,)](
-        ids, counts, sorted_slots, block_expert, num_rows, ends, n_programs, n_slots,
-        span, n_blocks, num_experts, CHUNK=chunk, BLOCK_M=block_m,
-        BLOCK_P=next_pow2(n_programs), BLOCK_E=block_e, BLOCK_B=block_b, num_warps=8,
-        **pdl_args)
+    columns = span // chunk >= COLUMNS_MIN_CHUNKS
+    tri = TRI_RANK and chunk <= TRI_MAX_CHUNK and not columns
+    # (the module's switches are in the key: benchmarks/ab_align.py flips them in one process)
+    base = base and base + (tri, columns, MAX_COLUMN_PROGRAMS, COLUMN_SCAN_BLOCK)
+    if columns:
+        _align_columns(ids, sorted_slots, block_expert, num_rows, ends, num_experts, block_m,
+                       chunk, block_e, tri, pdl_args, base)
+    else:
+        counts = torch.empty(n_programs, block_e, dtype=torch.int32, device=dev)
+        kernel_for(count_kernel, dev, launch_key(base, counts))[(n_programs,)](
+            ids, counts, n_slots, span, num_experts, 0, CHUNK=chunk, BLOCK_E=block_e,
+            **pdl_args)
+        # each place program owns about n_blocks / n_programs blocks of the table
+        block_b = min(next_pow2(cdiv(n_blocks, n_programs)),
+                      _pow2_floor(4096 // (block_e + block_m)))
+        fk = launch_key(base, counts, sorted_slots, block_expert, num_rows, ends)
+        kernel_for(place_kernel, dev, fk)[(n_programs,)](
+            ids, counts, sorted_slots, block_expert, num_rows, ends, n_programs, n_slots,
+            span, n_blocks, num_experts, CHUNK=chunk, BLOCK_M=block_m,
+            BLOCK_P=next_pow2(n_programs), BLOCK_E=block_e, BLOCK_B=block_b, num_warps=8,
+            TRI_RANK=tri, **pdl_args)
     return Alignment(sorted_slots, block_expert, num_rows, expert_ends, block_m, ends[1])
+
+
+def _align_columns(ids, sorted_slots, block_expert, num_rows, ends, num_experts, block_m, chunk,
+                   block_e, tri, pdl_args, base):
+    """Large T*K: count (per-program histograms, stored expert-major), a scan down each expert's
+    row (offsets of every program within the expert, and the totals), then place, each program
+    reading only its own offsets: programs of about one chunk each."""
+    dev = ids.device
+    n_slots = ids.numel()
+    n_blocks = block_expert.shape[0]
+    n_programs = max(1, min(MAX_COLUMN_PROGRAMS, cdiv(n_slots, chunk)))
+    span = cdiv(cdiv(n_slots, n_programs), chunk) * chunk
+    n_programs = cdiv(n_slots, span)
+    counts = torch.empty(block_e, n_programs, dtype=torch.int32, device=dev)
+    totals = torch.empty(block_e, dtype=torch.int32, device=dev)
+    kernel_for(count_kernel, dev, launch_key(base, counts))[(n_programs,)](
+        ids, counts, n_slots, span, num_experts, n_programs, CHUNK=chunk, BLOCK_E=block_e,
+        COLUMNS=True, **pdl_args)
+    kernel_for(column_scan_kernel, dev, launch_key(base, counts, totals))[(block_e,)](
+        counts, totals, n_programs, BLOCK_P=min(COLUMN_SCAN_BLOCK, next_pow2(n_programs)), **pdl_args)
+    block_b = min(next_pow2(cdiv(n_blocks, n_programs)), _pow2_floor(4096 // (block_e + block_m)))
+    fk = launch_key(base, counts, totals, sorted_slots, block_expert, num_rows, ends)
+    kernel_for(place_columns_kernel, dev, fk)[(n_programs,)](
+        ids, counts, totals, sorted_slots, block_expert, num_rows, ends, n_programs, n_slots,
+        span, n_blocks, num_experts, CHUNK=chunk, BLOCK_M=block_m, BLOCK_E=block_e,
+        BLOCK_B=block_b, num_warps=8, TRI_RANK=tri, **pdl_args)
 
 
 def scan_programs(n_blocks: int, block_b: int) -> int:

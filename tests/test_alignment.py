@@ -109,11 +109,25 @@ def test_alignment_hypothesis(T, E, block_m, data):
     lo = data.draw(st.sampled_from([-1, 0]))
     ids = torch.randint(lo, E + data.draw(st.integers(0, 2)), (T, K), dtype=torch.int32,
                         generator=torch.Generator().manual_seed(data.draw(st.integers(0, 2**31))))
+    import moe_ops.launch.alignment as la
+
+    # half the draws take the three-launch path (count, column scan, place) with few programs
+    # and a short scan step, so that spans of several chunks and multi-step scans occur
+    switches = {}
+    if data.draw(st.booleans()):
+        switches = dict(COLUMNS_MIN_CHUNKS=1,
+                        MAX_COLUMN_PROGRAMS=data.draw(st.integers(1, 9)),
+                        COLUMN_SCAN_BLOCK=data.draw(st.sampled_from([2, 4, 1024])))
+    saved = {k: getattr(la, k) for k in switches}
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
+        for k, v in switches.items():
+            setattr(la, k, v)
         _check(ids, E, block_m)
     finally:
+        for k, v in saved.items():
+            setattr(la, k, v)
         if old is None:
             os.environ.pop("TRITON_INTERPRET")
         else:

@@ -96,7 +96,7 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     base = base and base + (tri, columns, MAX_COLUMN_PROGRAMS, COLUMN_SCAN_BLOCK)
     if columns:
         _align_columns(ids, sorted_slots, block_expert, num_rows, ends, num_experts, block_m,
-                       chunk, block_e, tri, pdl_args, base)
+                       chunk, block_e, pdl_args, base)
     else:
         counts = torch.empty(n_programs, block_e, dtype=torch.int32, device=dev)
         kernel_for(count_kernel, dev, launch_key(base, counts))[(n_programs,)](
@@ -115,10 +115,11 @@ def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 
 
 def _align_columns(ids, sorted_slots, block_expert, num_rows, ends, num_experts, block_m, chunk,
-                   block_e, tri, pdl_args, base):
+                   block_e, pdl_args, base):
     """Large T*K: count (per-program histograms, stored expert-major), a scan down each expert's
     row (offsets of every program within the expert, and the totals), then place, each program
-    reading only its own offsets: programs of about one chunk each."""
+    reading only its own offsets: programs of about one chunk each. In-chunk ranks by the
+    cumulative sum (the triangular compare was slower here: NOTES.md, entry 51)."""
     dev = ids.device
     n_slots = ids.numel()
     n_blocks = block_expert.shape[0]
@@ -131,13 +132,14 @@ def _align_columns(ids, sorted_slots, block_expert, num_rows, ends, num_experts,
         ids, counts, n_slots, span, num_experts, n_programs, CHUNK=chunk, BLOCK_E=block_e,
         COLUMNS=True, **pdl_args)
     kernel_for(column_scan_kernel, dev, launch_key(base, counts, totals))[(block_e,)](
-        counts, totals, n_programs, BLOCK_P=min(COLUMN_SCAN_BLOCK, next_pow2(n_programs)), **pdl_args)
+        counts, totals, n_programs, BLOCK_P=min(COLUMN_SCAN_BLOCK, next_pow2(n_programs)),
+        **pdl_args)
     block_b = min(next_pow2(cdiv(n_blocks, n_programs)), _pow2_floor(4096 // (block_e + block_m)))
     fk = launch_key(base, counts, totals, sorted_slots, block_expert, num_rows, ends)
     kernel_for(place_columns_kernel, dev, fk)[(n_programs,)](
         ids, counts, totals, sorted_slots, block_expert, num_rows, ends, n_programs, n_slots,
         span, n_blocks, num_experts, CHUNK=chunk, BLOCK_M=block_m, BLOCK_E=block_e,
-        BLOCK_B=block_b, num_warps=8, TRI_RANK=tri, **pdl_args)
+        BLOCK_B=block_b, num_warps=8, **pdl_args)
 
 
 def scan_programs(n_blocks: int, block_b: int) -> int:

@@ -69,6 +69,8 @@ def test_alignment_many_programs(interpreter, variant, monkeypatch):
     # 256 experts, 128-row blocks: each place program writes more than one group of table
     # blocks (566 blocks over 64 programs, 8 per group); skewed so that many tail blocks and
     # empty experts occur
+    if variant == "two_launch_cumsum":   # (the two-launch default at E < 64 only; as above)
+        return
     g = torch.Generator().manual_seed(3)
     hot = torch.randint(0, 256, (5000, 8), generator=g, dtype=torch.int32) % 40
     ids = torch.where(torch.rand(5000, 8, generator=g) < 0.7, hot,

@@ -95,20 +95,6 @@ def host_report(step, args, go) -> None:
     print(sio.getvalue())
 
 
-def graphed(step):
-    """step captured in a CUDA graph (warmed up on a side stream first): its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -150,7 +136,7 @@ def main(argv=None) -> int:
             print(f"   {us / 1000.0:9.3f} ms  {name}")
         t_g = None
         if a.graph:
-            replay = graphed(step)
+            replay = bench.capture_graph(step)[0].replay   # warmed up on a side stream
             # alternating rounds (the GPU's clocks drift over a run); medians of the rounds
             pairs = [(triton.testing.do_bench(step), triton.testing.do_bench(replay))
                      for _ in range(a.rounds)]

@@ -22,6 +22,7 @@ from torch.export import Dim
 import moe_ops  # noqa: F401  (registers torch.ops.moe.*)
 from conftest import rel_err
 from moe_block import MoEBlock, route
+from moe_ops.bench import capture_graph
 from moe_ops.reference import dispatch_reference
 
 pytestmark = [pytest.mark.gpu,
@@ -207,15 +208,7 @@ def test_training_step_captured_in_cuda_graph_replays_on_new_inputs(T, router):
     bias = 0.1 * randn(E, gen=gen, dtype=torch.float32)
     static_go = randn(T, H, gen=gen)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            train_step(leaves, static_go, bias, router)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_ids = train_step(leaves, static_go, bias, router)
+    graph, static_ids = capture_graph(lambda: train_step(leaves, static_go, bias, router))
     static_grads = {n: t.grad for n, t in leaves.items()}
 
     seen = set()

@@ -75,6 +75,25 @@ def test_heuristic_configs_compile(compile_check, name, T, monkeypatch):
         assert "combine_kernel" not in got   # folded or done by the down kernel's last program
 
 
+def test_alignment_paths_compile(compile_check):
+    """Every form of the alignment compiles for sm_90 with the switches the heuristics give
+    them: the one-launch scan (T*K fits one tile), count + place (two launches) and count +
+    column scan + place (T*K large enough that each two-launch program would walk several
+    chunks). The forward_launches of the other tests run at 16 tokens, which never reaches the
+    third form."""
+    H, I, E, K = SHAPES["qwen3_30b_a3b"]
+    align = {"scan_kernel", "count_kernel", "place_kernel", "column_scan_kernel",
+             "place_columns_kernel"}
+    got = set()
+    for T in (8, 512, 8192):
+        cfg = heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16)
+        launches = [la for la in compile_check.forward_launches((H, I, E, K), T, cfg,
+                                                                torch.bfloat16)
+                    if la.name in align]
+        got |= set(_compile_all(compile_check, launches))
+    assert got == align, sorted(got)
+
+
 def test_path_switches_compile(compile_check):
     """The sweep's code-path switches at a prefill size (TMA pair and unpaired, pointer loads,
     half tiles off) and at T == 1 (separate combine, pointer loads) compile; float32 (no TMA,

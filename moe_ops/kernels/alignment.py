@@ -149,6 +149,19 @@ def place_chunk(sorted_ptr, offs, ids, valid, base, experts, CHUNK: tl.constexpr
 
 
 @triton.jit
+def place_span(ids_ptr, sorted_ptr, base, experts, pid, span, n_slots, E, CHUNK: tl.constexpr,
+               TRI_RANK: tl.constexpr):
+    """Program pid's span of slots scattered chunk by chunk from its per-expert bases (the rows
+    of the slots of earlier programs come first)."""
+    start = pid.to(tl.int64) * span
+    for c in range(0, span, CHUNK):
+        offs = start + c + tl.arange(0, CHUNK)
+        m = (offs < n_slots) & (offs < start + span)
+        ids, valid = load_ids(ids_ptr + offs, m, E)
+        base = place_chunk(sorted_ptr, offs, ids, valid, base, experts, CHUNK, TRI_RANK)
+
+
+@triton.jit
 def place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
                  expert_ends_ptr, n_programs, n_slots, span, n_blocks, E,
                  CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -166,12 +179,7 @@ def place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr
         store_ranges(expert_ends_ptr, num_rows_ptr, experts, starts, ends, totals, num_rows, E)
     # this program's span: rows from its bases (the slots of earlier programs come first)
     base = starts + tl.sum(tl.where(progs[:, None] < pid, counts, 0), axis=0)
-    start = pid.to(tl.int64) * span
-    for c in range(0, span, CHUNK):
-        offs = start + c + tl.arange(0, CHUNK)
-        m = (offs < n_slots) & (offs < start + span)
-        ids, valid = load_ids(ids_ptr + offs, m, E)
-        base = place_chunk(sorted_ptr, offs, ids, valid, base, experts, CHUNK, TRI_RANK)
+    place_span(ids_ptr, sorted_ptr, base, experts, pid, span, n_slots, E, CHUNK, TRI_RANK)
     block_table(sorted_ptr, block_expert_ptr, starts + totals, ends, experts, num_rows, n_slots,
                 pid, n_blocks, n_programs, E, BLOCK_M, BLOCK_E, BLOCK_B)
 
@@ -211,11 +219,6 @@ def place_columns_kernel(ids_ptr, offsets_ptr, totals_ptr, sorted_ptr, block_exp
     if pid == 0:
         store_ranges(expert_ends_ptr, num_rows_ptr, experts, starts, ends, totals, num_rows, E)
     base = starts + tl.load(offsets_ptr + experts.to(tl.int64) * n_programs + pid)
-    start = pid.to(tl.int64) * span
-    for c in range(0, span, CHUNK):
-        offs = start + c + tl.arange(0, CHUNK)
-        m = (offs < n_slots) & (offs < start + span)
-        ids, valid = load_ids(ids_ptr + offs, m, E)
-        base = place_chunk(sorted_ptr, offs, ids, valid, base, experts, CHUNK, TRI_RANK)
+    place_span(ids_ptr, sorted_ptr, base, experts, pid, span, n_slots, E, CHUNK, TRI_RANK)
     block_table(sorted_ptr, block_expert_ptr, starts + totals, ends, experts, num_rows, n_slots,
                 pid, n_blocks, n_programs, E, BLOCK_M, BLOCK_E, BLOCK_B)

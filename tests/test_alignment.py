@@ -157,3 +157,45 @@ def test_interpreter_set_before_import():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+_GPU_VARIANTS = {
+    "default": {},
+    "two_launch_tri": dict(COLUMNS_MIN_CHUNKS=1 << 30, TRI_RANK=True),
+    "two_launch_cumsum": dict(COLUMNS_MIN_CHUNKS=1 << 30, TRI_RANK=False),
+    "columns_few": dict(COLUMNS_MIN_CHUNKS=1, MAX_COLUMN_PROGRAMS=40, COLUMN_SCAN_BLOCK=16),
+}
+
+
+def _poison_allocator():
+    """Fill freed blocks of the caching allocator (large and small pools) with a non-zero byte
+    pattern, so that a table entry the kernels fail to write is not accidentally correct."""
+    blocks = [torch.full((n,), 0x5A, dtype=torch.uint8, device="cuda")
+              for n in (256 << 20, 16 << 20, 1 << 20, 1 << 20, 256 << 10, 64 << 10, 4 << 10)]
+    del blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(_GPU_VARIANTS))
+@pytest.mark.parametrize("T,E,K,block_m", [
+    (8, 128, 8, 16),        # one-launch scan (Qwen3-30B-A3B decode)
+    (300, 64, 8, 64),
+    (2048, 128, 8, 128),    # three launches by default
+    (8192, 256, 8, 128),    # DeepSeek-V3 prefill
+    (32768, 8, 2, 128),     # Mixtral: two launches by default
+    (70000, 128, 8, 128),   # 560000 slots: the column scan's programs at their 4096 cap
+])
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "negative", "empty_experts",
+                                     "one_expert"])
+def test_alignment_exact_gpu(T, E, K, block_m, routing, variant, monkeypatch):
+    """On the GPU (compiled kernels, not the interpreter): every form of the alignment gives the
+    reference's table exactly, on poisoned memory, at decode and prefill sizes and with skewed,
+    negative, empty-expert and one-expert routing."""
+    import moe_ops.launch.alignment as la
+
+    for name, value in _GPU_VARIANTS[variant].items():
+        monkeypatch.setattr(la, name, value)
+    g = torch.Generator(device="cuda").manual_seed(T * 131 + E)
+    *_, ids = make_dispatch_inputs(T, 1, 1, E, K, device="cuda", routing=routing, generator=g)
+    _poison_allocator()
+    _check(ids, E, block_m)

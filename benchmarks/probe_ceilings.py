@@ -31,17 +31,19 @@ from moe_ops.tuning.shapes import SHAPES
 @triton.jit
 def _l2_read_kernel(src, out, slice_elems, iters, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    base = src + pid * slice_elems
+    n_prog = tl.num_programs(0)
     acc = tl.zeros((BLOCK,), tl.float32)
     for it in range(iters):
+        # another program's slice each pass (nothing this SM read before), loads that skip L1
+        base = src + ((pid + it * 7) % n_prog).to(tl.int64) * slice_elems
         for off in range(0, slice_elems, BLOCK):
-            acc += tl.load(base + off + tl.arange(0, BLOCK))
+            acc += tl.load(base + off + tl.arange(0, BLOCK), cache_modifier=".cg")
     tl.store(out + pid * BLOCK + tl.arange(0, BLOCK), acc)
 
 
 def l2_read_bandwidth(dev, mb=16, programs_per_sm=4, iters=40) -> float:
-    """bytes/s of reads served by L2: each program re-reads its own slice `iters` times; the
-    buffer (mb MiB in all) stays resident in the 50 MB L2."""
+    """bytes/s of reads served by L2: each program reads `iters` slices of a buffer of mb MiB
+    (resident in the 50 MB L2), a different program's slice each time, bypassing L1 (.cg)."""
     n_prog = torch.cuda.get_device_properties(dev).multi_processor_count * programs_per_sm
     block = 2048
     slice_elems = (mb << 20) // 4 // n_prog // block * block
@@ -150,7 +152,7 @@ def moe_ops_kernels(H, I, E, K, T, dev) -> tuple[dict, dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cells", nargs="+", default=["qwen3_30b_a3b:2048", "qwen3_30b_a3b:8192",
+    p.add_argument("--cells", nargs="*", default=["qwen3_30b_a3b:2048", "qwen3_30b_a3b:8192",
                                                   "olmoe:2048", "deepseek_v3_routed:8192",
                                                   "mixtral_8x7b:8192"])
     args = p.parse_args(argv)

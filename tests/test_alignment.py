@@ -11,7 +11,7 @@ from conftest import needs_interpreter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_ops.launch.alignment import align_triton
+from moe_ops.launch.alignment import Alignment, align_triton
 from moe_ops.ops.samples import make_dispatch_inputs
 from moe_ops.reference import align_reference
 from moe_ops.reference.alignment import max_padded_rows
@@ -20,6 +20,13 @@ from moe_ops.reference.alignment import max_padded_rows
 def _check(ids, E, block_m):
     al = align_triton(ids, E, block_m)
     s_ref, b_ref, n_ref = align_reference(ids, E, block_m)
+    # the backward's weight-gradient kernel finds the valid ends E entries after the padded ends
+    assert al.valid_ends.data_ptr() == al.expert_ends.data_ptr() + 4 * E
+    # (compared on the CPU: the reference's tensors are CPU tensors for CUDA ids too)
+    ids = ids.cpu()
+    al = Alignment(*(v.cpu() if isinstance(v, torch.Tensor) else v
+                     for v in (al.sorted_slots, al.block_expert, al.num_rows, al.expert_ends,
+                               al.block_m, al.valid_ends)))
     n = int(al.num_rows)
     assert n == int(n_ref)
     assert al.max_rows == max_padded_rows(ids.numel(), E, block_m) >= n
@@ -29,8 +36,6 @@ def _check(ids, E, block_m):
     padded = (counts + block_m - 1) // block_m * block_m
     assert torch.equal(al.expert_ends.long(), padded.cumsum(0))
     assert torch.equal(al.valid_ends.long(), padded.cumsum(0) - padded + counts)
-    # the backward's weight-gradient kernel finds the valid ends E entries after the padded ends
-    assert al.valid_ends.data_ptr() == al.expert_ends.data_ptr() + 4 * E
     # every valid slot appears exactly once; padding is the sentinel
     flat = ids.reshape(-1).long()
     valid = ((flat >= 0) & (flat < E)).nonzero().flatten()

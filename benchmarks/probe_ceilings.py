@@ -129,16 +129,22 @@ def gemm_flops(H, I, E, K, T) -> dict:
             "dx": 2 * r * 2 * I * H, "dW13": 2 * r * 2 * I * H, "dW2": 2 * r * H * I}
 
 
-def moe_ops_kernels(H, I, E, K, T, dev) -> tuple[dict, dict]:
-    """(forward kernel ms, backward kernel ms) per name, uniform routing, z saved."""
+def moe_ops_kernels(H, I, E, K, T, dev, cell=None) -> tuple[dict, dict]:
+    """(forward kernel ms, backward kernel ms) per name, z saved; uniform routing, or with
+    `cell` the benchmark's own inputs and routing for that cell (bench.cell_inputs)."""
     bf = torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-    hidden = torch.randn(T, H, device=dev, dtype=bf, generator=g)
-    w13 = torch.randn(E, 2 * I, H, device=dev, dtype=bf, generator=g) * 0.02
-    w2 = torch.randn(E, H, I, device=dev, dtype=bf, generator=g) * 0.02
-    t = torch.arange(T, device=dev)[:, None] * K + torch.arange(K, device=dev)[None, :]
-    ids = (t % E).to(torch.int32)
-    w = torch.rand(T, K, device=dev, generator=g)
+    if cell is None:
+        hidden = torch.randn(T, H, device=dev, dtype=bf, generator=g)
+        w13 = torch.randn(E, 2 * I, H, device=dev, dtype=bf, generator=g) * 0.02
+        w2 = torch.randn(E, H, I, device=dev, dtype=bf, generator=g) * 0.02
+        t = torch.arange(T, device=dev)[:, None] * K + torch.arange(K, device=dev)[None, :]
+        ids = (t % E).to(torch.int32)
+        w = torch.rand(T, K, device=dev, generator=g)
+    else:
+        ci = bench.cell_inputs(cell, dev, bf)
+        hidden, w13, w2 = ci.hidden, ci.weights.w13, ci.weights.w2
+        w, ids = ci.topk_weights, ci.topk_ids
     grad = torch.randn(T, H, device=dev, dtype=bf, generator=g)
     _, z = dispatch_triton(hidden, w13, w2, w, ids, save_z=True)
     fwd = lambda: dispatch_triton(hidden, w13, w2, w, ids, save_z=True)  # noqa: E731
@@ -155,6 +161,12 @@ def main(argv=None) -> int:
     p.add_argument("--cells", nargs="*", default=["qwen3_30b_a3b:2048", "qwen3_30b_a3b:8192",
                                                   "olmoe:2048", "deepseek_v3_routed:8192",
                                                   "mixtral_8x7b:8192"])
+    p.add_argument("--bench-routing", nargs="*", default=[],
+                   help="cells (e.g. qwen3_30b_a3b_zipf:8192) whose moe_ops kernels are also "
+                        "timed with the benchmark's routing, beside the uniform cell of the "
+                        "same shape and T")
+    p.add_argument("--vendor", action=argparse.BooleanOptionalAction, default=True,
+                   help="time torch._grouped_mm (--no-vendor: moe_ops' kernels only)")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     mm = matmul_rate(dev)
@@ -167,7 +179,7 @@ def main(argv=None) -> int:
         name, T = cell.split(":")
         T = int(T)
         H, I, E, K = SHAPES[name]
-        vend = vendor_gemms(H, I, E, K, T, dev)
+        vend = vendor_gemms(H, I, E, K, T, dev) if args.vendor else {}
         fl = gemm_flops(H, I, E, K, T)
         kf, kb = moe_ops_kernels(H, I, E, K, T, dev)
         print(f"\n## {cell} (uniform, {T * K // E} rows per expert)")
@@ -180,7 +192,15 @@ def main(argv=None) -> int:
         print("moe_ops forward kernels (z saved), ms: " +
               ", ".join(f"{k} {v:.3f}" for k, v in kf.items()))
         print("moe_ops backward kernels, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in kb.items()))
-        ok = all(isinstance(vend[k], float) for k in vend)
+        for bcell in [c for c in args.bench_routing if c.split(":")[0].startswith(name)
+                      and int(c.split(":")[1]) == T]:
+            bf_, bb_ = moe_ops_kernels(H, I, E, K, T, dev, cell=bcell)
+            print(f"moe_ops with the bench's routing ({bcell}): forward {sum(bf_.values()):.3f} "
+                  f"ms, backward {sum(bb_.values()):.3f} ms (uniform: {sum(kf.values()):.3f}, "
+                  f"{sum(kb.values()):.3f}); forward " +
+                  ", ".join(f"{k} {v:.3f}" for k, v in bf_.items()) + "; backward " +
+                  ", ".join(f"{k} {v:.3f}" for k, v in bb_.items()))
+        ok = bool(vend) and all(isinstance(vend[k], float) for k in vend)
         if ok:
             gu_v, dn_v = vend["gate_up"], vend["down"]
             rowv = vend["dA"] + vend["dx"]

@@ -918,6 +918,9 @@ PERSISTENT_WG = {
     "split4": ("_weight_grad_persistent", dict(wg_persistent=False, wg_n=64),
                dict(wg_persistent=True, wg_n=64, wg_chunk=8, wg_split=4)),
     "ws": ("_weight_grad_ws", dict(wg_m=16), dict(wg_m=16, wg_ws=True)),
+    # largest experts first, snaking rounds; with 2-tile chunks, several chunks per program
+    "lpt": ("_weight_grad_persistent", dict(wg_persistent=False),
+            dict(wg_persistent=True, wg_lpt=True, wg_chunk=2)),
 }
 
 
@@ -960,6 +963,57 @@ def test_persistent_weight_grads_match_per_tile(interpreter, routing, kernel):
             assert torch.equal(a, torch.zeros_like(a)), (seed, name)
         else:
             assert err <= GRAD_TOL[torch.float16], (seed, name, err)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("routing", ["skewed", "empty_experts", "negative"])
+def test_persistent_weight_grads_lpt_order(interpreter, routing, monkeypatch):
+    """The LPT schedule's expert order, as each program computes it: experts by valid rows,
+    largest first, ties by expert index (empty experts last), in every program's row of the
+    scratch; and the gradients bitwise those of the fixed schedule (each tile is still summed
+    whole, in row order, by one program)."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch_backward as db
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    T, H, I, E, K = 40, 32, 24, 12, 3
+    args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed, dtype=torch.float16)
+    go = torch.randn(T, H, generator=g).to(torch.float16)
+    cfg = dispatch_config(T, E, K, H, I, "cpu", torch.float16)
+    bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float16), wg_persistent=True,
+                             wg_chunk=2)
+    orders = []
+    kernel_for = db.kernel_for
+
+    def spy(kernel, device, key=None):
+        launcher = kernel_for(kernel, device, key)
+
+        class Grid:
+            def __getitem__(self, grid):
+                def launch(*a, **kw):
+                    launcher[grid](*a, **kw)
+                    if kw.get("LPT"):
+                        orders.append(kw["order_ptr"].clone())
+                return launch
+        return Grid()
+
+    monkeypatch.setattr(db, "kernel_for", spy)
+    fixed = db.dispatch_backward_triton(go, *args, config=cfg, bwd_config=bc)
+    assert orders == []
+    lpt = db.dispatch_backward_triton(go, *args, config=cfg,
+                                      bwd_config=dataclasses.replace(bc, wg_lpt=True))
+    assert len(orders) == 2, (seed, len(orders))   # dW2, dW13
+    ids = args[4].reshape(-1).long()
+    counts = torch.bincount(ids[(ids >= 0) & (ids < E)], minlength=E).tolist()
+    expected = sorted(range(E), key=lambda e: (-counts[e], e))
+    for order in orders:
+        assert order.shape == (3, 16), order.shape   # 3 interpreted programs, BLOCK_E = 16
+        for row in order:
+            assert row[:E].tolist() == expected, (seed, routing, row.tolist(), counts)
+    for name, a, b in zip(NAMES, lpt, fixed):
+        assert torch.equal(a, b), (seed, name)
 
 
 @needs_interpreter

@@ -152,11 +152,38 @@ def _store_slice(o_desc, x, e, m0, n0, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def _expert_rows(expert_ends_ptr, e, E):
+    """Valid rows of experts `e` (from the [2, E] ends buffer); -1 for lanes past E."""
+    start = tl.load(expert_ends_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
+    valid_end = tl.load(expert_ends_ptr + E + e, mask=e < E, other=0)
+    return tl.where(e < E, valid_end - start, -1)
+
+
+@triton.jit
+def _expert_order(expert_ends_ptr, order_row, E, BLOCK_E: tl.constexpr):
+    """order_row[r] = the expert of rank r by valid rows, largest first, ties by expert index
+    (lanes past E rank last), then a barrier: the program's own loads of order_row follow."""
+    FB: tl.constexpr = 32 if BLOCK_E > 32 else BLOCK_E
+    ex = tl.arange(0, BLOCK_E)
+    rows_e = _expert_rows(expert_ends_ptr, ex, E)
+    rank = tl.zeros((BLOCK_E,), tl.int32)
+    for f0 in range(0, BLOCK_E, FB):
+        f = f0 + tl.arange(0, FB)
+        rows_f = _expert_rows(expert_ends_ptr, f, E)
+        before = (rows_f[None, :] > rows_e[:, None]) | (
+            (rows_f[None, :] == rows_e[:, None]) & (f[None, :] < ex[:, None]))
+        rank += tl.sum(before.to(tl.int32), axis=1)
+    tl.store(order_row + rank, ex)
+    tl.debug_barrier()
+
+
+@triton.jit
 def weight_grad_persistent_kernel(
     l_desc, r_desc, o_desc, expert_ends_ptr, M, N, E, n_rows,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr, SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, order_ptr=None, LPT: tl.constexpr = False,
+    BLOCK_E: tl.constexpr = 1,
 ):
     """weight_grad_kernel's sums (the same rows in the same order, the same tile shape, so the
     same float32 sums) with NUM_PROGRAMS programs, each walking output tiles pid,
@@ -178,18 +205,41 @@ def weight_grad_persistent_kernel(
     refills once per chunk. An expert without rows takes its one step at row n_rows, past the end
     of L and R, where the copies read zeros, and stores a zero tile. SPLIT (1, 2 or 4): the tile
     is stored in SPLIT column slices through one staging buffer of 1/SPLIT of its size (room for
-    another pipeline stage)."""
+    another pipeline stage).
+    LPT (longest processing time first; BLOCK_E >= E, a power of two): a tile's cost is its
+    expert's step count, so under skewed routing the fixed assignment above gives some programs
+    several tiles of hot experts and others none. With LPT the tiles are ordered by their
+    expert's row count, largest first (ties by expert index), and dealt in rounds of
+    NUM_PROGRAMS, snaking (program p takes position p of even rounds and NUM_PROGRAMS-1-p of odd
+    ones), so every program's total is near the mean. Each program ranks the experts itself
+    (an [BLOCK_E, 32] compare per 32 experts) and keeps the order in its row of `order_ptr`
+    ([NUM_PROGRAMS, BLOCK_E] int32 scratch). Each tile is still summed whole by one program in
+    row order: the gradients are bitwise the same either way."""
     pid = tl.program_id(0)
     n_n = tl.cdiv(N, BLOCK_N)
     per_e = tl.cdiv(M, BLOCK_M) * n_n
-    my_tiles = tl.cdiv(E * per_e - pid, NUM_PROGRAMS)
+    total = E * per_e
+    if LPT:
+        order_row = order_ptr + pid * BLOCK_E
+        _expert_order(expert_ends_ptr, order_row, E, BLOCK_E)
+        my_tiles = tl.cdiv(total, NUM_PROGRAMS)   # rounds: every program visits each
+    else:
+        my_tiles = tl.cdiv(total - pid, NUM_PROGRAMS)
     lanes = tl.arange(0, CHUNK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for c0 in range(0, my_tiles, CHUNK):
-        valid = c0 + lanes < my_tiles
-        t = pid + (c0 + lanes) * NUM_PROGRAMS
-        e_v = tl.where(valid, t // per_e, 0)
-        rem = t - e_v * per_e
+        if LPT:
+            rnd = c0 + lanes
+            t = rnd * NUM_PROGRAMS + tl.where(rnd % 2 == 0, pid, NUM_PROGRAMS - 1 - pid)
+            valid = t < total
+            pos = tl.where(valid, t // per_e, 0)           # the expert's place in the order
+            e_v = tl.load(order_row + pos, mask=valid, other=0)
+            rem = t - pos * per_e
+        else:
+            valid = c0 + lanes < my_tiles
+            t = pid + (c0 + lanes) * NUM_PROGRAMS
+            e_v = tl.where(valid, t // per_e, 0)
+            rem = t - e_v * per_e
         mn_v = ((rem // n_n) << 16) | (rem % n_n)
         start = tl.load(expert_ends_ptr + e_v - 1, mask=valid & (e_v > 0), other=0)
         valid_end = tl.load(expert_ends_ptr + E + e_v, mask=valid, other=0)

@@ -162,13 +162,23 @@ def _weight_grad_persistent(left, right, out, al, bc, prec, bk, fk=None) -> bool
         return False
     n_tiles = E * cdiv(M, bc.wg_m) * cdiv(N, bc.wg_n)
     programs = min(num_programs(out.device) * bc.wg_per_sm, n_tiles)
+    # largest experts' tiles first, dealt in snaking rounds (the kernel's LPT): up to
+    # LPT_MAX_EXPERTS, as every program ranks all experts once
+    block_e = next_pow2(E)
+    lpt = bc.wg_lpt and E > 1 and block_e <= LPT_MAX_EXPERTS
+    order = torch.empty(programs, block_e, dtype=torch.int32, device=out.device) if lpt else None
+    fk = fk and fk + (lpt, order is None or order.data_ptr() % 16)
     kernel_for(weight_grad_persistent_kernel, out.device, fk)[(programs,)](
         *descs, al.expert_ends, M, N, E, left.shape[0],
         BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, CHUNK=bc.wg_chunk, SPLIT=split,
-        NUM_PROGRAMS=programs, DOT_PRECISION=prec,
+        NUM_PROGRAMS=programs, DOT_PRECISION=prec, order_ptr=order, LPT=lpt,
+        BLOCK_E=block_e if lpt else 1,
         num_warps=bc.wg_warps, num_stages=bc.wg_stages or bc.num_stages,
     )
     return True
+
+
+LPT_MAX_EXPERTS = 512
 
 
 def _weight_grad_ws(left, right, out, al, bc, prec, bk) -> bool:

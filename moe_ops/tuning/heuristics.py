@@ -313,6 +313,9 @@ class BackwardConfig:
     wg_ws: bool = False   # persistent weight gradients warp-specialised (sm_90, 16-bit, M % wg_m == 0)
     rows_ws: bool = False  # dA and dx GEMMs: the forward's warp-specialised row GEMM (down_ws)
     wg_per_sm: int = 1    # persistent weight gradients: programs per SM (co-resident if they fit)
+    # persistent weight gradients: tiles of the experts with the most rows first, dealt in
+    # snaking rounds (balances skewed routing; bitwise the same sums)
+    wg_lpt: bool = False
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,

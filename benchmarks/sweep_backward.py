@@ -69,6 +69,7 @@ def variants(base):
                                    da_n=128, num_stages=3),
         "wg ws s3 + rows ws dx128": r(base, wg_ws=True, wg_n=256, wg_stages=3, rows_ws=True,
                                       da_n=128, dx_n=128),
+        "wg lpt": r(base, wg_persistent=True, wg_lpt=not base.wg_lpt),
     }
 
 
@@ -90,22 +91,37 @@ def main():
     p.add_argument("--variants", nargs="+", help="names from variants() to time (default: all)")
     p.add_argument("--rounds", type=int, default=1,
                    help="time every variant this many times, alternating; the best is kept")
+    p.add_argument("--bench-routing", action="store_true",
+                   help="the benchmark's weights, tokens and routing (bench.cell_inputs); "
+                        "--shapes may then name bench shapes such as qwen3_30b_a3b_zipf")
     args = p.parse_args()
     dev = torch.device("cuda")
     dt = torch.bfloat16
     rows = []
     for name in args.shapes:
-        H, I, E, K = SHAPES[name]
+        if args.bench_routing:
+            s = bench.SHAPES[name]
+            H, I, E, K = s.H, s.I, s.E, s.K
+            wt = bench.make_weights(s, dev, dt, seed=0)
+            w13, w2 = wt.w13, wt.w2
+        else:
+            H, I, E, K = SHAPES[name]
         g = torch.Generator(device=dev).manual_seed(0)
-        w13 = torch.randn(E, 2 * I, H, device=dev, dtype=dt, generator=g) * H ** -0.5
-        w2 = torch.randn(E, H, I, device=dev, dtype=dt, generator=g) * I ** -0.5
+        if not args.bench_routing:
+            w13 = torch.randn(E, 2 * I, H, device=dev, dtype=dt, generator=g) * H ** -0.5
+            w2 = torch.randn(E, H, I, device=dev, dtype=dt, generator=g) * I ** -0.5
         for T in args.tokens:
-            x = torch.randn(T, H, device=dev, dtype=dt, generator=g)
-            go = torch.randn(T, H, device=dev, dtype=dt, generator=g)
-            logits = torch.randn(T, E, device=dev, generator=g)
-            tw, ids = torch.topk(logits.softmax(-1), K, dim=-1)
-            tw = tw.to(dt)
-            ids = ids.to(torch.int32)
+            if args.bench_routing:
+                ci = bench.cell_inputs(f"{name}:{T}", dev, dt, weights=wt)
+                x, tw, ids = ci.hidden, ci.topk_weights, ci.topk_ids
+                go = torch.randn(T, H, device=dev, dtype=dt, generator=g)
+            else:
+                x = torch.randn(T, H, device=dev, dtype=dt, generator=g)
+                go = torch.randn(T, H, device=dev, dtype=dt, generator=g)
+                logits = torch.randn(T, E, device=dev, generator=g)
+                tw, ids = torch.topk(logits.softmax(-1), K, dim=-1)
+                tw = tw.to(dt)
+                ids = ids.to(torch.int32)
             cfg = dispatch_config(T, E, K, H, I, "cuda", dt)
             base = backward_config(cfg, "cuda", dt, rows_per_expert=T * K / E, inter_size=I)
             flops = 2 * T * K * 3 * H * I
@@ -154,6 +170,7 @@ def main():
             del x, go
             ref = z = out = None
         del w13, w2
+        wt = None
         gc.collect()
         torch.cuda.empty_cache()
     print("\nshape                T      variant                           fwd   fwd+z    bwd   "

@@ -472,6 +472,10 @@ def test_weight_grad_persistent_matches_per_tile(name, routing):
                                                     wg_chunk=4, wg_ws=False),
                 "split s4": dataclasses.replace(bc, wg_persistent=True, wg_stages=4, wg_split=2,
                                                 wg_ws=False),
+                "lpt": dataclasses.replace(bc, wg_persistent=True, wg_stages=3, wg_lpt=True,
+                                           wg_ws=False),
+                "lpt small chunks": dataclasses.replace(bc, wg_persistent=True, wg_stages=3,
+                                                        wg_lpt=True, wg_chunk=4, wg_ws=False),
                 "ws": dataclasses.replace(bc, wg_ws=True, wg_stages=3)}
     got = {}
     for vname, v in variants.items():
@@ -480,7 +484,7 @@ def test_weight_grad_persistent_matches_per_tile(name, routing):
                                               bwd_config=v)
     ref = dispatch_backward_reference(go, hidden, w13, w2, tw, ids)
     for i, label in ((1, "w13"), (2, "w2")):
-        for vname in ("persistent", "small chunks", "split s4", "ws"):
+        for vname in ("persistent", "small chunks", "split s4", "lpt", "lpt small chunks", "ws"):
             assert torch.equal(got[vname][i], got["per tile"][i]), (vname, label)
         assert rel_err(got["ws"][i], ref[i]) <= BWD_RTOL[torch.bfloat16], label
     del got, ref

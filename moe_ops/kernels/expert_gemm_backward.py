@@ -160,19 +160,23 @@ def _expert_rows(expert_ends_ptr, e, E):
 
 
 @triton.jit
-def _expert_order(expert_ends_ptr, order_row, E, BLOCK_E: tl.constexpr):
+def _expert_order(expert_ends_ptr, order_row, E, BLOCK_E: tl.constexpr,
+                  SORT: tl.constexpr = True):
     """order_row[r] = the expert of rank r by valid rows, largest first, ties by expert index
-    (lanes past E rank last), then a barrier: the program's own loads of order_row follow."""
+    (lanes past E rank last), then a barrier: the program's own loads of order_row follow.
+    SORT=False: the identity (for measurements of the schedule without the ranking)."""
     FB: tl.constexpr = 32 if BLOCK_E > 32 else BLOCK_E
     ex = tl.arange(0, BLOCK_E)
-    rows_e = _expert_rows(expert_ends_ptr, ex, E)
-    rank = tl.zeros((BLOCK_E,), tl.int32)
-    for f0 in range(0, BLOCK_E, FB):
-        f = f0 + tl.arange(0, FB)
-        rows_f = _expert_rows(expert_ends_ptr, f, E)
-        before = (rows_f[None, :] > rows_e[:, None]) | (
-            (rows_f[None, :] == rows_e[:, None]) & (f[None, :] < ex[:, None]))
-        rank += tl.sum(before.to(tl.int32), axis=1)
+    rank = ex
+    if SORT:
+        rows_e = _expert_rows(expert_ends_ptr, ex, E)
+        rank = tl.zeros((BLOCK_E,), tl.int32)
+        for f0 in range(0, BLOCK_E, FB):
+            f = f0 + tl.arange(0, FB)
+            rows_f = _expert_rows(expert_ends_ptr, f, E)
+            before = (rows_f[None, :] > rows_e[:, None]) | (
+                (rows_f[None, :] == rows_e[:, None]) & (f[None, :] < ex[:, None]))
+            rank += tl.sum(before.to(tl.int32), axis=1)
     tl.store(order_row + rank, ex)
     tl.debug_barrier()
 
@@ -183,7 +187,7 @@ def weight_grad_persistent_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr, SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, order_ptr=None, LPT: tl.constexpr = False,
-    BLOCK_E: tl.constexpr = 1,
+    BLOCK_E: tl.constexpr = 1, LPT_SORT: tl.constexpr = True, LPT_SNAKE: tl.constexpr = True,
 ):
     """weight_grad_kernel's sums (the same rows in the same order, the same tile shape, so the
     same float32 sums) with NUM_PROGRAMS programs, each walking output tiles pid,
@@ -221,7 +225,7 @@ def weight_grad_persistent_kernel(
     total = E * per_e
     if LPT:
         order_row = order_ptr + pid * BLOCK_E
-        _expert_order(expert_ends_ptr, order_row, E, BLOCK_E)
+        _expert_order(expert_ends_ptr, order_row, E, BLOCK_E, LPT_SORT)
         my_tiles = tl.cdiv(total, NUM_PROGRAMS)   # rounds: every program visits each
     else:
         my_tiles = tl.cdiv(total - pid, NUM_PROGRAMS)
@@ -230,7 +234,10 @@ def weight_grad_persistent_kernel(
     for c0 in range(0, my_tiles, CHUNK):
         if LPT:
             rnd = c0 + lanes
-            t = rnd * NUM_PROGRAMS + tl.where(rnd % 2 == 0, pid, NUM_PROGRAMS - 1 - pid)
+            if LPT_SNAKE:
+                t = rnd * NUM_PROGRAMS + tl.where(rnd % 2 == 0, pid, NUM_PROGRAMS - 1 - pid)
+            else:
+                t = rnd * NUM_PROGRAMS + pid
             valid = t < total
             pos = tl.where(valid, t // per_e, 0)           # the expert's place in the order
             e_v = tl.load(order_row + pos, mask=valid, other=0)

@@ -1,7 +1,8 @@
 """A/B of the persistent weight-gradient kernel's tile schedule (not part of the test suite):
 the fixed round robin over (expert, row block, column block) against the LPT schedule
-(BackwardConfig.wg_lpt) and its two parts alone (experts ranked by rows without the snaking
-deal, the snaking deal over experts in index order), on the benchmark's inputs and routing.
+(BackwardConfig.wg_lpt: ranked and snaking where the routing is skewed), the same forced on at
+any skew, and its two parts alone (experts ranked by rows without the snaking deal, the
+snaking deal over experts in index order), on the benchmark's inputs and routing.
 Variants alternate within each round; the best backward of the rounds and the weight-gradient
 kernel's profiler time (last round) are kept; gradients are compared bitwise.
 
@@ -20,11 +21,12 @@ from moe_ops import bench
 from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
-VARIANTS = {   # name: (wg_lpt, LPT_SORT, LPT_SNAKE)
-    "fixed": (False, True, True),
-    "lpt": (True, True, True),
-    "sort, round robin": (True, True, False),
-    "index order, snake": (True, False, True),
+VARIANTS = {   # name: (wg_lpt, LPT_SORT, LPT_SNAKE, LPT_MIN_SKEW)
+    "fixed": (False, True, True, 2),
+    "lpt": (True, True, True, 2),                  # ranked and snaking where skewed (default)
+    "lpt forced": (True, True, True, 0),           # ranked and snaking everywhere
+    "sort, round robin": (True, True, False, 0),
+    "index order, snake": (True, False, True, 0),
 }
 
 
@@ -52,7 +54,7 @@ def main(argv=None) -> int:
         wg_ms, outs = {}, {}
         for rnd in range(args.rounds):
             for v in args.variants:
-                lpt, db.LPT_SORT, db.LPT_SNAKE = VARIANTS[v]
+                lpt, db.LPT_SORT, db.LPT_SNAKE, db.LPT_MIN_SKEW = VARIANTS[v]
                 bc = dataclasses.replace(base, wg_persistent=True, wg_lpt=lpt)
                 fn = (lambda bc=bc: db.dispatch_backward_triton(go, x, w13, w2, tw, ids, z=z,
                                                                 config=cfg, bwd_config=bc))
@@ -63,6 +65,7 @@ def main(argv=None) -> int:
                     kt = bench.kernel_times_us(fn, 3)
                     wg_ms[v] = sum(t for k, t in kt.items() if k.startswith("weight_grad")) / 1e3
         db.LPT_SORT = db.LPT_SNAKE = True
+        db.LPT_MIN_SKEW = 2
         ref = outs[args.variants[0]]
         for v in args.variants:
             same = all(torch.equal(a, b) for a, b in zip(outs[v], ref))

@@ -966,11 +966,13 @@ def test_persistent_weight_grads_match_per_tile(interpreter, routing, kernel):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("routing", ["skewed", "empty_experts", "negative"])
+@pytest.mark.parametrize("routing", ["skewed", "one_expert", "empty_experts", "negative",
+                                     "balanced"])
 def test_persistent_weight_grads_lpt_order(interpreter, routing, monkeypatch):
-    """The LPT schedule's expert order, as each program computes it: experts by valid rows,
-    largest first, ties by expert index (empty experts last), in every program's row of the
-    scratch; and the gradients bitwise those of the fixed schedule (each tile is still summed
+    """The LPT schedule's expert order, as each program computes it: where the largest expert
+    has more than twice the mean rows, experts by valid rows, largest first, ties by expert
+    index (empty experts last); else the experts' own order; in every program's row of the
+    scratch. The gradients are bitwise those of the fixed schedule (each tile is still summed
     whole, in row order, by one program)."""
     import dataclasses
 
@@ -979,7 +981,10 @@ def test_persistent_weight_grads_lpt_order(interpreter, routing, monkeypatch):
 
     seed = fresh_seed()
     T, H, I, E, K = 40, 32, 24, 12, 3
-    args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed, dtype=torch.float16)
+    args, g = _inputs(T, H, I, E, K, routing="uniform" if routing == "balanced" else routing,
+                      seed=seed, dtype=torch.float16)
+    if routing == "balanced":   # every expert 10 rows: the experts' own order
+        args = (*args[:4], (torch.arange(T * K) % E).reshape(T, K).to(args[4].dtype))
     go = torch.randn(T, H, generator=g).to(torch.float16)
     cfg = dispatch_config(T, E, K, H, I, "cpu", torch.float16)
     bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float16), wg_persistent=True,
@@ -1007,7 +1012,12 @@ def test_persistent_weight_grads_lpt_order(interpreter, routing, monkeypatch):
     assert len(orders) == 2, (seed, len(orders))   # dW2, dW13
     ids = args[4].reshape(-1).long()
     counts = torch.bincount(ids[(ids >= 0) & (ids < E)], minlength=E).tolist()
-    expected = sorted(range(E), key=lambda e: (-counts[e], e))
+    skewed = max(counts) * E > db.LPT_MIN_SKEW * sum(counts)
+    if routing in ("skewed", "one_expert"):
+        assert skewed, (seed, counts)   # both branches of the kernel's test are covered
+    if routing == "balanced":
+        assert not skewed, (seed, counts)
+    expected = sorted(range(E), key=lambda e: (-counts[e], e)) if skewed else list(range(E))
     for order in orders:
         assert order.shape == (3, 16), order.shape   # 3 interpreted programs, BLOCK_E = 16
         for row in order:

@@ -161,15 +161,18 @@ def _expert_rows(expert_ends_ptr, e, E):
 
 @triton.jit
 def _expert_order(expert_ends_ptr, order_row, E, BLOCK_E: tl.constexpr,
-                  SORT: tl.constexpr = True):
-    """order_row[r] = the expert of rank r by valid rows, largest first, ties by expert index
-    (lanes past E rank last), then a barrier: the program's own loads of order_row follow.
-    SORT=False: the identity (for measurements of the schedule without the ranking)."""
+                  SORT: tl.constexpr = True, MIN_SKEW: tl.constexpr = 2):
+    """If the routing is skewed (the largest expert's valid rows > MIN_SKEW x the mean):
+    order_row[r] = the expert of rank r by valid rows, largest first, ties by expert index
+    (lanes past E rank last); else (or SORT=False, for measurements) the identity. Then a
+    barrier: the program's own loads of order_row follow. Returns whether it was skewed."""
     FB: tl.constexpr = 32 if BLOCK_E > 32 else BLOCK_E
     ex = tl.arange(0, BLOCK_E)
+    rows_e = _expert_rows(expert_ends_ptr, ex, E)
+    total = tl.sum(tl.maximum(rows_e, 0).to(tl.int64), axis=0)
+    skewed = tl.max(rows_e, axis=0).to(tl.int64) * E > MIN_SKEW * total
     rank = ex
     if SORT:
-        rows_e = _expert_rows(expert_ends_ptr, ex, E)
         rank = tl.zeros((BLOCK_E,), tl.int32)
         for f0 in range(0, BLOCK_E, FB):
             f = f0 + tl.arange(0, FB)
@@ -177,8 +180,10 @@ def _expert_order(expert_ends_ptr, order_row, E, BLOCK_E: tl.constexpr,
             before = (rows_f[None, :] > rows_e[:, None]) | (
                 (rows_f[None, :] == rows_e[:, None]) & (f[None, :] < ex[:, None]))
             rank += tl.sum(before.to(tl.int32), axis=1)
+        rank = tl.where(skewed, rank, ex)
     tl.store(order_row + rank, ex)
     tl.debug_barrier()
+    return skewed
 
 
 @triton.jit
@@ -188,6 +193,7 @@ def weight_grad_persistent_kernel(
     CHUNK: tl.constexpr, SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, order_ptr=None, LPT: tl.constexpr = False,
     BLOCK_E: tl.constexpr = 1, LPT_SORT: tl.constexpr = True, LPT_SNAKE: tl.constexpr = True,
+    LPT_MIN_SKEW: tl.constexpr = 2,
 ):
     """weight_grad_kernel's sums (the same rows in the same order, the same tile shape, so the
     same float32 sums) with NUM_PROGRAMS programs, each walking output tiles pid,
@@ -217,7 +223,11 @@ def weight_grad_persistent_kernel(
     NUM_PROGRAMS, snaking (program p takes position p of even rounds and NUM_PROGRAMS-1-p of odd
     ones), so every program's total is near the mean. Each program ranks the experts itself
     (an [BLOCK_E, 32] compare per 32 experts) and keeps the order in its row of `order_ptr`
-    ([NUM_PROGRAMS, BLOCK_E] int32 scratch). Each tile is still summed whole by one program in
+    ([NUM_PROGRAMS, BLOCK_E] int32 scratch). The ranking and the snake apply only when the
+    routing is skewed (the largest expert has more than LPT_MIN_SKEW times the mean rows, a
+    runtime test in every program): on near-uniform routing the snaking deal cost 3-9% on the
+    H200 for no balance to gain (benchmarks/NOTES.md, entry 52), so there the order is the
+    experts' own and the deal the fixed one. Each tile is still summed whole by one program in
     row order: the gradients are bitwise the same either way."""
     pid = tl.program_id(0)
     n_n = tl.cdiv(N, BLOCK_N)
@@ -225,7 +235,7 @@ def weight_grad_persistent_kernel(
     total = E * per_e
     if LPT:
         order_row = order_ptr + pid * BLOCK_E
-        _expert_order(expert_ends_ptr, order_row, E, BLOCK_E, LPT_SORT)
+        skewed = _expert_order(expert_ends_ptr, order_row, E, BLOCK_E, LPT_SORT, LPT_MIN_SKEW)
         my_tiles = tl.cdiv(total, NUM_PROGRAMS)   # rounds: every program visits each
     else:
         my_tiles = tl.cdiv(total - pid, NUM_PROGRAMS)
@@ -235,7 +245,8 @@ def weight_grad_persistent_kernel(
         if LPT:
             rnd = c0 + lanes
             if LPT_SNAKE:
-                t = rnd * NUM_PROGRAMS + tl.where(rnd % 2 == 0, pid, NUM_PROGRAMS - 1 - pid)
+                odd = skewed & (rnd % 2 == 1)
+                t = rnd * NUM_PROGRAMS + tl.where(odd, NUM_PROGRAMS - 1 - pid, pid)
             else:
                 t = rnd * NUM_PROGRAMS + pid
             valid = t < total

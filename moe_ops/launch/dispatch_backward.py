@@ -167,12 +167,14 @@ def _weight_grad_persistent(left, right, out, al, bc, prec, bk, fk=None) -> bool
     block_e = next_pow2(E)
     lpt = bc.wg_lpt and E > 1 and block_e <= LPT_MAX_EXPERTS
     order = torch.empty(programs, block_e, dtype=torch.int32, device=out.device) if lpt else None
-    fk = fk and fk + (lpt, LPT_SORT, LPT_SNAKE, order is None or order.data_ptr() % 16)
+    fk = fk and fk + (lpt, LPT_SORT, LPT_SNAKE, LPT_MIN_SKEW,
+                      order is None or order.data_ptr() % 16)
     kernel_for(weight_grad_persistent_kernel, out.device, fk)[(programs,)](
         *descs, al.expert_ends, M, N, E, left.shape[0],
         BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, CHUNK=bc.wg_chunk, SPLIT=split,
         NUM_PROGRAMS=programs, DOT_PRECISION=prec, order_ptr=order, LPT=lpt,
         BLOCK_E=block_e if lpt else 1, LPT_SORT=LPT_SORT, LPT_SNAKE=LPT_SNAKE,
+        LPT_MIN_SKEW=LPT_MIN_SKEW,
         num_warps=bc.wg_warps, num_stages=bc.wg_stages or bc.num_stages,
     )
     return True
@@ -183,6 +185,9 @@ LPT_MAX_EXPERTS = 512
 # experts ranked by rows (else in index order) and the snaking deal (else round robin).
 LPT_SORT = True
 LPT_SNAKE = True
+# ... and both only where the largest expert has more than this many times the mean rows (the
+# kernel tests it at run time; the snaking deal costs 3-9% on near-uniform routing: NOTES.md 52)
+LPT_MIN_SKEW = 2
 
 
 def _weight_grad_ws(left, right, out, al, bc, prec, bk) -> bool:

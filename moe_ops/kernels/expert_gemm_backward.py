@@ -226,9 +226,11 @@ def weight_grad_persistent_kernel(
     ([NUM_PROGRAMS, BLOCK_E] int32 scratch). The ranking and the snake apply only when the
     routing is skewed (the largest expert has more than LPT_MIN_SKEW times the mean rows, a
     runtime test in every program): on near-uniform routing the snaking deal cost 3-9% on the
-    H200 for no balance to gain (benchmarks/NOTES.md, entry 52), so there the order is the
-    experts' own and the deal the fixed one. Each tile is still summed whole by one program in
-    row order: the gradients are bitwise the same either way."""
+    H200 for no balance to gain (benchmarks/NOTES.md, entry 53), so there the order is the
+    experts' own and the deal the fixed one (the path still cost ~1.5% of the backward there,
+    its order load per chunk and ranking prologue: BackwardConfig.wg_lpt is off by default).
+    Each tile is still summed whole by one program in row order: the gradients are bitwise the
+    same either way."""
     pid = tl.program_id(0)
     n_n = tl.cdiv(N, BLOCK_N)
     per_e = tl.cdiv(M, BLOCK_M) * n_n

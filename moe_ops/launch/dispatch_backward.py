@@ -186,7 +186,7 @@ LPT_MAX_EXPERTS = 512
 LPT_SORT = True
 LPT_SNAKE = True
 # ... and both only where the largest expert has more than this many times the mean rows (the
-# kernel tests it at run time; the snaking deal costs 3-9% on near-uniform routing: NOTES.md 52)
+# kernel tests it at run time; the snaking deal costs 3-9% on near-uniform routing: NOTES.md 53)
 LPT_MIN_SKEW = 2
 
 

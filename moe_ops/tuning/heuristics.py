@@ -358,7 +358,7 @@ def _backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
     # 4th stage (wg_split 2/4) were within +-2% of it, neither way throughout.
     cfg = replace(cfg, wg_persistent=True, wg_stages=3)
     # (BackwardConfig.wg_lpt, largest experts' tiles first in snaking rounds where the routing
-    # is skewed, stays opt-in: H200, NOTES.md entry 52, backward ms at T=8192 with the
+    # is skewed, stays opt-in: H200, NOTES.md entry 53, backward ms at T=8192 with the
     # benchmark's routing, two runs: Qwen3 zipf 3.03 -> 2.89 and 3.10 -> 2.89, but Qwen3 2.92 ->
     # 2.96 and DeepSeek-V3 27.15 -> 28.04 / 27.30 -> 27.68 where the routing is near uniform and
     # the schedule is the fixed one: the kernel's extra dependent load per chunk and its

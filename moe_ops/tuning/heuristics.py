@@ -360,9 +360,9 @@ def _backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
     # (BackwardConfig.wg_lpt, largest experts' tiles first in snaking rounds where the routing
     # is skewed, stays opt-in: H200, NOTES.md entry 53, backward ms at T=8192 with the
     # benchmark's routing, two runs: Qwen3 zipf 3.03 -> 2.89 and 3.10 -> 2.89, but Qwen3 2.92 ->
-    # 2.96 and DeepSeek-V3 27.15 -> 28.04 / 27.30 -> 27.68 where the routing is near uniform and
-    # the schedule is the fixed one: the kernel's extra dependent load per chunk and its
-    # ranking prologue cost ~1.5% there.)
+    # 2.96 and DeepSeek-V3 27.30 -> 27.68 where the routing is near uniform and the schedule
+    # is the fixed one: the kernel's extra dependent load per chunk and its ranking prologue
+    # cost ~1.5% there.)
     # The warp-specialised persistent weight-gradient kernel (same tiles and sums, bitwise equal;
     # it applies where the output rows are a multiple of 128, else the kernels above run).
     # H200, NOTES.md entry 24, T=8192, weight-gradient ms (backward ms): Qwen3 1.29 -> 1.07

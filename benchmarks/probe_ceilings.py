@@ -59,21 +59,6 @@ def l2_read_bandwidth(dev, mb=16, programs_per_sm=4, iters=40) -> float:
     return n_prog * slice_elems * 4 * iters / (ms * 1e-3)
 
 
-def copy_bandwidth(dev, n_bytes=1 << 30) -> float:
-    src = torch.ones(n_bytes // 2, dtype=torch.bfloat16, device=dev)
-    dst = torch.empty_like(src)
-    ms = min(triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-             for _ in range(3))
-    return 2 * n_bytes / (ms * 1e-3)
-
-
-def matmul_rate(dev, n=8192) -> float:
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
-    ms = min(triton.testing.do_bench(lambda: a @ b, return_mode="median") for _ in range(3))
-    return 2 * n ** 3 / (ms * 1e-3)
-
-
 def best_ms(fn, rounds=3) -> float:
     fn()
     torch.cuda.synchronize()
@@ -169,8 +154,8 @@ def main(argv=None) -> int:
                    help="time torch._grouped_mm (--no-vendor: moe_ops' kernels only)")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
-    mm = matmul_rate(dev)
-    cp = copy_bandwidth(dev)
+    # the bench's own ceilings (best of three each: 1 GiB copy, bf16 8192^3 matmul)
+    cp, mm, _ = bench.measure_ceilings(dev, bench.Timer(dev, 10, 50), tiny=False)
     l2 = l2_read_bandwidth(dev)
     print(f"ceilings: bf16 8192^3 matmul {mm / 1e12:.1f} TFLOP/s, copy {cp / 1e12:.2f} TB/s "
           f"(read + write), L2 reads {l2 / 1e12:.2f} TB/s", flush=True)

@@ -180,3 +180,23 @@ def env_without_interpreter() -> dict:
     """This process's environment without TRITON_INTERPRET, for a child process (an example,
     a fresh interpreter) that must take the default path whatever fixture is active here."""
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+def spy_kernel_launches(monkeypatch, module, record):
+    """Replace `module.kernel_for` (a launcher module's) so that every launch runs as before and
+    then calls record(kernel, grid, args, kwargs)."""
+    kernel_for = module.kernel_for
+
+    def spy(kernel, device, key=None):
+        launcher = kernel_for(kernel, device, key)
+
+        class Grid:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    out = launcher[grid](*args, **kwargs)
+                    record(kernel, grid, args, kwargs)
+                    return out
+                return launch
+        return Grid()
+
+    monkeypatch.setattr(module, "kernel_for", spy)

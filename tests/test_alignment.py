@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import needs_interpreter
+from conftest import needs_interpreter, spy_kernel_launches
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -90,18 +90,8 @@ def test_alignment_scan_several_programs(interpreter, routing, monkeypatch):
     import moe_ops.launch.alignment as la
 
     grids = []
-    kernel_for = la.kernel_for
-
-    def spy(kernel, device, key=None):
-        launcher = kernel_for(kernel, device, key)
-
-        class Grid:
-            def __getitem__(self, grid):
-                grids.append((kernel.fn.__name__ if hasattr(kernel, "fn") else "?", grid))
-                return launcher[grid]
-        return Grid()
-
-    monkeypatch.setattr(la, "kernel_for", spy)
+    spy_kernel_launches(monkeypatch, la, lambda kernel, grid, args, kwargs: grids.append(
+        (kernel.fn.__name__ if hasattr(kernel, "fn") else "?", grid)))
     *_, ids = make_dispatch_inputs(8, 4, 4, 128, 8, routing=routing)
     _check(ids, 128, 16)
     assert grids == [("scan_kernel", (4,))], grids

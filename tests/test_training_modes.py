@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_ops
 from conftest import (RTOL, OpCounter, assert_equal_across_tile_heights, ds_scale, grad_errors,
-                      needs_interpreter, rel_err)
+                      needs_interpreter, rel_err, spy_kernel_launches)
 from moe_ops.ops.samples import dispatch_samples, make_dispatch_inputs
 from moe_ops.reference.dispatch import dispatch_backward_reference, dispatch_z_reference
 
@@ -990,21 +990,12 @@ def test_persistent_weight_grads_lpt_order(interpreter, routing, monkeypatch):
     bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float16), wg_persistent=True,
                              wg_chunk=2)
     orders = []
-    kernel_for = db.kernel_for
 
-    def spy(kernel, device, key=None):
-        launcher = kernel_for(kernel, device, key)
+    def record(kernel, grid, args, kwargs):
+        if kwargs.get("LPT"):
+            orders.append(kwargs["order_ptr"].clone())
 
-        class Grid:
-            def __getitem__(self, grid):
-                def launch(*a, **kw):
-                    launcher[grid](*a, **kw)
-                    if kw.get("LPT"):
-                        orders.append(kw["order_ptr"].clone())
-                return launch
-        return Grid()
-
-    monkeypatch.setattr(db, "kernel_for", spy)
+    spy_kernel_launches(monkeypatch, db, record)
     fixed = db.dispatch_backward_triton(go, *args, config=cfg, bwd_config=bc)
     assert orders == []
     lpt = db.dispatch_backward_triton(go, *args, config=cfg,

@@ -99,6 +99,7 @@ def main():
     dt = torch.bfloat16
     rows = []
     for name in args.shapes:
+        g = torch.Generator(device=dev).manual_seed(0)
         if args.bench_routing:
             s = bench.SHAPES[name]
             H, I, E, K = s.H, s.I, s.E, s.K
@@ -106,8 +107,6 @@ def main():
             w13, w2 = wt.w13, wt.w2
         else:
             H, I, E, K = SHAPES[name]
-        g = torch.Generator(device=dev).manual_seed(0)
-        if not args.bench_routing:
             w13 = torch.randn(E, 2 * I, H, device=dev, dtype=dt, generator=g) * H ** -0.5
             w2 = torch.randn(E, H, I, device=dev, dtype=dt, generator=g) * I ** -0.5
         for T in args.tokens:

@@ -108,3 +108,30 @@ def test_path_switches_compile(compile_check):
             launches = compile_check.forward_launches((H, I, E, K), 1 if cfg.direct else 16,
                                                       cfg, dtype)
             _compile_all(compile_check, launches)
+
+
+def test_weight_grad_lpt_compiles(compile_check, monkeypatch):
+    """The persistent weight-gradient kernel with the LPT schedule (BackwardConfig.wg_lpt: its
+    ranking prologue and per-chunk order load sit behind runtime branches) compiles for sm_90
+    with the same wgmma and TMA path as the fixed schedule, and the same shared memory."""
+    import dataclasses
+
+    import moe_ops.tuning.heuristics as hz
+
+    H, I, E, K = SHAPES["qwen3_30b_a3b"]
+    T = 8192
+    cfg = heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16)
+    orig = hz.backward_config
+    got = {}
+    for lpt in (False, True):
+        monkeypatch.setattr(hz, "backward_config", lambda *a, lpt=lpt, **k: dataclasses.replace(
+            orig(*a, **k), wg_persistent=True, wg_ws=False, wg_lpt=lpt))
+        launches = [la for la in compile_check.forward_launches(
+            (H, I, E, K), 16, cfg, torch.bfloat16, backward=True, rows_per_expert=T * K / E)
+            if la.name == "weight_grad_persistent_kernel"]
+        assert len(launches) == 2, [la.name for la in launches]   # dW2, dW13
+        assert all(la.kwargs.get("LPT") is lpt for la in launches)
+        got[lpt] = _compile_all(compile_check, launches)["weight_grad_persistent_kernel"]
+    for fixed, lpt in zip(got[False], got[True]):
+        assert lpt.wgmma == fixed.wgmma > 0 and lpt.tma == fixed.tma > 0, (lpt, fixed)
+        assert lpt.shared == fixed.shared, (lpt.shared, fixed.shared)

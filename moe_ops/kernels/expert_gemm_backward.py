@@ -152,10 +152,18 @@ def _store_slice(o_desc, x, e, m0, n0, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def _expert_span(expert_ends_ptr, e, E, mask):
+    """First row and valid end of experts `e` (from the [2, E] ends buffer: row ends, then
+    valid-row ends); 0 and 0 where `mask` is off."""
+    start = tl.load(expert_ends_ptr + e - 1, mask=mask & (e > 0), other=0)
+    valid_end = tl.load(expert_ends_ptr + E + e, mask=mask, other=0)
+    return start, valid_end
+
+
+@triton.jit
 def _expert_rows(expert_ends_ptr, e, E):
-    """Valid rows of experts `e` (from the [2, E] ends buffer); -1 for lanes past E."""
-    start = tl.load(expert_ends_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
-    valid_end = tl.load(expert_ends_ptr + E + e, mask=e < E, other=0)
+    """Valid rows of experts `e`; -1 for lanes past E."""
+    start, valid_end = _expert_span(expert_ends_ptr, e, E, e < E)
     return tl.where(e < E, valid_end - start, -1)
 
 
@@ -173,14 +181,14 @@ def _expert_order(expert_ends_ptr, order_row, E, BLOCK_E: tl.constexpr,
     skewed = tl.max(rows_e, axis=0).to(tl.int64) * E > MIN_SKEW * total
     rank = ex
     if SORT:
-        rank = tl.zeros((BLOCK_E,), tl.int32)
-        for f0 in range(0, BLOCK_E, FB):
-            f = f0 + tl.arange(0, FB)
-            rows_f = _expert_rows(expert_ends_ptr, f, E)
-            before = (rows_f[None, :] > rows_e[:, None]) | (
-                (rows_f[None, :] == rows_e[:, None]) & (f[None, :] < ex[:, None]))
-            rank += tl.sum(before.to(tl.int32), axis=1)
-        rank = tl.where(skewed, rank, ex)
+        if skewed:   # a runtime branch: near-uniform routing skips the ranking
+            rank = tl.zeros((BLOCK_E,), tl.int32)
+            for f0 in range(0, BLOCK_E, FB):
+                f = f0 + tl.arange(0, FB)
+                rows_f = _expert_rows(expert_ends_ptr, f, E)
+                before = (rows_f[None, :] > rows_e[:, None]) | (
+                    (rows_f[None, :] == rows_e[:, None]) & (f[None, :] < ex[:, None]))
+                rank += tl.sum(before.to(tl.int32), axis=1)
     tl.store(order_row + rank, ex)
     tl.debug_barrier()
     return skewed
@@ -227,8 +235,8 @@ def weight_grad_persistent_kernel(
     routing is skewed (the largest expert has more than LPT_MIN_SKEW times the mean rows, a
     runtime test in every program): on near-uniform routing the snaking deal cost 3-9% on the
     H200 for no balance to gain (benchmarks/NOTES.md, entry 53), so there the order is the
-    experts' own and the deal the fixed one (the path still cost ~1.5% of the backward there,
-    its order load per chunk and ranking prologue: BackwardConfig.wg_lpt is off by default).
+    experts' own and the deal the fixed one, and the ranking and the per-chunk order load are
+    skipped by runtime branches (with both, the path cost ~1.5% of the backward there).
     Each tile is still summed whole by one program in row order: the gradients are bitwise the
     same either way."""
     pid = tl.program_id(0)
@@ -238,7 +246,9 @@ def weight_grad_persistent_kernel(
     if LPT:
         order_row = order_ptr + pid * BLOCK_E
         skewed = _expert_order(expert_ends_ptr, order_row, E, BLOCK_E, LPT_SORT, LPT_MIN_SKEW)
-        my_tiles = tl.cdiv(total, NUM_PROGRAMS)   # rounds: every program visits each
+        # skewed: rounds, every program visits each; else the fixed deal below
+        my_tiles = tl.where(skewed, tl.cdiv(total, NUM_PROGRAMS),
+                            tl.cdiv(total - pid, NUM_PROGRAMS))
     else:
         my_tiles = tl.cdiv(total - pid, NUM_PROGRAMS)
     lanes = tl.arange(0, CHUNK)
@@ -253,7 +263,10 @@ def weight_grad_persistent_kernel(
                 t = rnd * NUM_PROGRAMS + pid
             valid = t < total
             pos = tl.where(valid, t // per_e, 0)           # the expert's place in the order
-            e_v = tl.load(order_row + pos, mask=valid, other=0)
+            if skewed:
+                e_v = tl.load(order_row + pos, mask=valid, other=0)
+            else:   # the experts' own order: no dependent load before the expert ends'
+                e_v = pos
             rem = t - pos * per_e
         else:
             valid = c0 + lanes < my_tiles
@@ -261,8 +274,7 @@ def weight_grad_persistent_kernel(
             e_v = tl.where(valid, t // per_e, 0)
             rem = t - e_v * per_e
         mn_v = ((rem // n_n) << 16) | (rem % n_n)
-        start = tl.load(expert_ends_ptr + e_v - 1, mask=valid & (e_v > 0), other=0)
-        valid_end = tl.load(expert_ends_ptr + E + e_v, mask=valid, other=0)
+        start, valid_end = _expert_span(expert_ends_ptr, e_v, E, valid)
         steps_v = tl.where(valid, tl.maximum(tl.cdiv(valid_end - start, BLOCK_K), 1), 0)
         # an expert without rows takes its one step at row n_rows, past the end: zeros
         first_v = tl.where(valid_end > start, start, n_rows)

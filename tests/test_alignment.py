@@ -66,20 +66,24 @@ def test_alignment_many_programs(interpreter, variant, monkeypatch):
         monkeypatch.setattr(la, "COLUMNS_MIN_CHUNKS", 1)
         monkeypatch.setattr(la, "MAX_COLUMN_PROGRAMS", 40)
         monkeypatch.setattr(la, "COLUMN_SCAN_BLOCK", 16)
-    # enough slots for several count/scatter programs, each walking several chunks
-    ids = torch.randint(-1, 256, (3000, 8), dtype=torch.int32)
+    # enough slots for several count/scatter programs, each walking several chunks (two
+    # launches: 63 programs of 4 chunks; columns: 36 programs of 7)
+    ids = torch.randint(-1, 256, (1000, 8), dtype=torch.int32)
     _check(ids, 256, 16)
     ids = torch.randint(0, 8, (4000, 2), dtype=torch.int64)
     _check(ids, 8, 128)
     # 256 experts, 128-row blocks: each place program writes more than one group of table
-    # blocks (566 blocks over 64 programs, 8 per group); skewed so that many tail blocks and
-    # empty experts occur
+    # blocks (8 per group; 348 blocks over 16 programs in the two-launch form, whose program
+    # count is capped here so that the interpreter need not walk 40000 slots to get there, and
+    # over 38 programs in the columns form); skewed so that many tail blocks and empty experts
+    # occur
     if variant == "two_launch_cumsum":   # (the two-launch default at E < 64 only; as above)
         return
+    monkeypatch.setattr(la, "SCAN_ELEMS", 16 * 256)   # at most 16 two-launch programs
     g = torch.Generator().manual_seed(3)
-    hot = torch.randint(0, 256, (5000, 8), generator=g, dtype=torch.int32) % 40
-    ids = torch.where(torch.rand(5000, 8, generator=g) < 0.7, hot,
-                      torch.randint(-1, 256, (5000, 8), generator=g, dtype=torch.int32))
+    hot = torch.randint(0, 256, (1500, 8), generator=g, dtype=torch.int32) % 40
+    ids = torch.where(torch.rand(1500, 8, generator=g) < 0.7, hot,
+                      torch.randint(-1, 256, (1500, 8), generator=g, dtype=torch.int32))
     _check(ids, 256, 128)
 
 

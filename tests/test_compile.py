@@ -38,6 +38,7 @@ import torch.fx.experimental._config as fx_config
 from torch._dynamo.decorators import mark_unbacked
 from torch._inductor.utils import run_and_get_code
 from torch.export import Dim
+from torch.torch_version import TorchVersion
 
 import moe_ops  # noqa: F401  (registers torch.ops.moe.*)
 
@@ -301,8 +302,21 @@ class TestInductorGraphs(expecttest.TestCase if expecttest else unittest.TestCas
     def test_post_grad_graphs(self):
         """What Inductor lowers: RMSNorm and router matmul around opaque moe.route and
         moe.dispatch_train (moe.dispatch with its saved pre-activation z, [T*K, 2I]) forward;
-        moe.dispatch_backward_saved plus the routing weights' softmax backward."""
-        self.assertExpectedInline(_sections(inductor_compiled_block().post_grad), """\
+        moe.dispatch_backward_saved plus the routing weights' softmax backward. The whole graph
+        is pinned for torch 2.11 and 2.13 (the device's and CI's); torch 2.14 decomposes the
+        softmax backward with one multiplication fewer, so from 2.14 on the moe ops' lines,
+        their order and their shapes are pinned."""
+        text = _sections(inductor_compiled_block().post_grad)
+        if TorchVersion(torch.__version__) >= (2, 14):
+            moe_lines = [ln for ln in text.splitlines() if ln.startswith(("==", "moe."))]
+            self.assertExpectedInline("\n".join(moe_lines), """\
+== forward
+moe.route.default -> (float32[u0, 2], int32[u0, 2])
+moe.dispatch_train.default -> (float32[u0, 32], float32[2*u0, 80])
+== backward
+moe.dispatch_backward_saved.default -> (float32[u0, 32], float32[8, 80, 32], float32[8, 32, 40], float32[u0, 2])""")
+            return
+        self.assertExpectedInline(text, """\
 == forward
 aten.pow.Tensor_Scalar -> float32[u0, 32]
 aten.mean.dim -> float32[u0, 1]

@@ -314,7 +314,7 @@ class BackwardConfig:
     rows_ws: bool = False  # dA and dx GEMMs: the forward's warp-specialised row GEMM (down_ws)
     wg_per_sm: int = 1    # persistent weight gradients: programs per SM (co-resident if they fit)
     # persistent weight gradients: tiles of the experts with the most rows first, dealt in
-    # snaking rounds (balances skewed routing; bitwise the same sums)
+    # snaking rounds where the routing is skewed (bitwise the same sums; on in the heuristics)
     wg_lpt: bool = False
 
 
@@ -356,13 +356,14 @@ def _backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
     # 1.11/2.86/10.21, OLMoE 1.12/3.35/12.86 -> 1.09/3.19/12.55, Mixtral 5.89/19.75/77.01 ->
     # 5.50/19.37/74.56, DeepSeek-V3 14.09/28.88/89.16 -> 13.94/26.64/84.18. Split stores with a
     # 4th stage (wg_split 2/4) were within +-2% of it, neither way throughout.
-    cfg = replace(cfg, wg_persistent=True, wg_stages=3)
-    # (BackwardConfig.wg_lpt, largest experts' tiles first in snaking rounds where the routing
-    # is skewed, stays opt-in: H200, NOTES.md entry 53, backward ms at T=8192 with the
-    # benchmark's routing, two runs: Qwen3 zipf 3.03 -> 2.89 and 3.10 -> 2.89, but Qwen3 2.92 ->
-    # 2.96 and DeepSeek-V3 27.30 -> 27.68 where the routing is near uniform and the schedule
-    # is the fixed one: the kernel's extra dependent load per chunk and its ranking prologue
-    # cost ~1.5% there.)
+    # The LPT deal (BackwardConfig.wg_lpt): largest experts' tiles first in snaking rounds where
+    # the routing is skewed (largest expert > 2x the mean rows, decided in the kernel), else the
+    # fixed deal. H200, NOTES.md entry 56, T=8192, benchmark routing, backward ms fixed -> LPT
+    # (best of 5 alternating rounds): Qwen3 zipf 3.017 -> 2.844 (weight-gradient kernels 1.49 ->
+    # 1.20); near-uniform Qwen3 2.847 -> 2.900, DeepSeek-V3 26.59 -> 26.60, OLMoE 3.309 -> 3.324,
+    # where the weight-gradient kernels themselves read 1.194 -> 1.181, 14.52 -> 13.71, 1.44 ->
+    # 1.35 (the ranking and the per-chunk order load are skipped there by runtime branches).
+    cfg = replace(cfg, wg_persistent=True, wg_stages=3, wg_lpt=True)
     # The warp-specialised persistent weight-gradient kernel (same tiles and sums, bitwise equal;
     # it applies where the output rows are a multiple of 128, else the kernels above run).
     # H200, NOTES.md entry 24, T=8192, weight-gradient ms (backward ms): Qwen3 1.29 -> 1.07

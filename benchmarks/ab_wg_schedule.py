@@ -6,7 +6,13 @@ snaking deal over experts in index order), on the benchmark's inputs and routing
 Variants alternate within each round; the best backward of the rounds and the weight-gradient
 kernel's profiler time (last round) are kept; gradients are compared bitwise.
 
+With --wg-alone, each weight-gradient launch of one backward (dW2, dW13) is timed by itself
+instead (do_bench of that launch on the backward's own operands, variants alternating per
+round, best of the rounds): a profiled round of the whole backward cannot resolve 1-2%
+(NOTES.md entry 56).
+
     PYTHONPATH=. python benchmarks/ab_wg_schedule.py [--cells qwen3_30b_a3b_zipf:8192 ...]
+        [--wg-alone]
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ def main(argv=None) -> int:
                                                   "deepseek_v3_routed:8192"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--wg-alone", action="store_true",
+                   help="time each weight-gradient launch by itself (see above)")
     args = p.parse_args(argv)
     dev, dt = torch.device("cuda"), torch.bfloat16
     table = []
@@ -50,6 +58,12 @@ def main(argv=None) -> int:
         cfg = dispatch_config(T, E, K, H, I, "cuda", dt)
         base = backward_config(cfg, "cuda", dt, rows_per_expert=T * K / E, inter_size=I)
         _, z = dispatch_triton(x, w13, w2, tw, ids, config=cfg, save_z=True)
+        if args.wg_alone:
+            table += _wg_alone(cell, args, base, lambda bc: db.dispatch_backward_triton(
+                go, x, w13, w2, tw, ids, z=z, config=cfg, bwd_config=bc))
+            z = None
+            torch.cuda.empty_cache()
+            continue
         best = {v: float("inf") for v in args.variants}
         wg_ms, outs = {}, {}
         for rnd in range(args.rounds):
@@ -74,11 +88,58 @@ def main(argv=None) -> int:
                   f"ms  bitwise={same}", flush=True)
         outs = ref = z = None
         torch.cuda.empty_cache()
+    if args.wg_alone:
+        print("\n| cell | variant | dW2 launch ms | dW13 launch ms | bitwise |")
+        print("|---|---|---|---|---|")
+        for c, v, t2, t13, same in table:
+            print(f"| {c} | {v} | {t2:.4f} | {t13:.4f} | {same} |")
+        return 0
     print("\n| cell | variant | backward ms (best of rounds) | weight-gradient kernels ms | bitwise |")
     print("|---|---|---|---|---|")
     for c, v, b, w, same in table:
         print(f"| {c} | {v} | {b:.3f} | {w:.3f} | {same} |")
     return 0
+
+
+def _wg_alone(cell, args, base, backward):
+    """Rows (cell, variant, dW2 ms, dW13 ms, bitwise) for --wg-alone: the weight-gradient
+    launches of one backward with `base` recorded (their operands kept), then each launched by
+    itself under every variant."""
+    calls = []
+    launch = db.weight_grad_triton
+
+    def record(*a, **k):
+        calls.append(a)
+        return launch(*a, **k)
+
+    db.weight_grad_triton = record
+    try:
+        backward(dataclasses.replace(base, wg_persistent=True))
+    finally:
+        db.weight_grad_triton = launch
+    assert len(calls) == 2, len(calls)   # dW2, dW13
+    best = {(v, i): float("inf") for v in args.variants for i in range(2)}
+    outs = {}
+    for rnd in range(args.rounds):
+        for v in args.variants:
+            lpt, db.LPT_SORT, db.LPT_SNAKE, db.LPT_MIN_SKEW = VARIANTS[v]
+            bc = dataclasses.replace(base, wg_persistent=True, wg_lpt=lpt)
+            for i, (left, right, out, al, _, prec) in enumerate(calls):
+                fn = (lambda left=left, right=right, out=out, al=al, bc=bc, prec=prec:
+                      launch(left, right, out, al, bc, prec))
+                if rnd == 0:
+                    fn()
+                    outs[v, i] = out.clone()
+                best[v, i] = min(best[v, i], triton.testing.do_bench(fn, warmup=20, rep=200))
+    db.LPT_SORT = db.LPT_SNAKE = True
+    db.LPT_MIN_SKEW = 2
+    rows = []
+    for v in args.variants:
+        same = all(torch.equal(outs[v, i], outs[args.variants[0], i]) for i in range(2))
+        rows.append((cell, v, best[v, 0], best[v, 1], same))
+        print(f"{cell:26s} {v:20s} dW2 {best[v, 0]:8.4f} ms  dW13 {best[v, 1]:8.4f} ms  "
+              f"bitwise={same}", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

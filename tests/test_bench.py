@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import env_without_interpreter
+from conftest import env_without_interpreter, needs_interpreter
 from moe_ops import bench
 
 ROOT = Path(__file__).parents[1]
@@ -293,3 +293,43 @@ def test_run_gpu_script_parses():
     r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "run_gpu.sh")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@needs_interpreter
+def test_ab_wg_schedule_wg_alone_in_interpreter(interpreter, monkeypatch):
+    """ab_wg_schedule.py --wg-alone's core on the CPU (interpreter; do_bench replaced by one
+    call): it records the two weight-gradient launches of one backward and relaunches each under
+    every deal on NaN-poisoned outputs; skewed routing, so LPT ranks and snakes, and the deals'
+    gradients are bitwise equal (each tile is still summed whole, in row order)."""
+    import dataclasses
+    import types
+
+    import torch
+    import triton
+
+    import moe_ops.launch.dispatch_backward as db
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.ops.samples import make_dispatch_inputs
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    ab = _import_benchmark_script("ab_wg_schedule.py", monkeypatch)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup=0, rep=0: (fn(), 1.0)[1])
+    T, H, I, E, K = 24, 32, 24, 6, 2
+    g = torch.Generator().manual_seed(11)
+    x, w13, w2, tw, ids = make_dispatch_inputs(T, H, I, E, K, generator=g)
+    ids[:, 0] = 0   # expert 0 in every token: half the rows (the LPT ranking and snake run)
+    ids[:, 1] = torch.randint(1, E, (T,), generator=g, dtype=ids.dtype)
+    x, w13, w2, tw = (t.half() for t in (x, w13, w2, tw))
+    go = torch.randn(T, H, generator=g).half()
+    cfg = dispatch_config(T, E, K, H, I, "cpu", torch.float16)
+    base = dataclasses.replace(backward_config(cfg, "cpu", torch.float16), wg_chunk=2)
+    _, z = dispatch_triton(x, w13, w2, tw, ids, config=cfg, save_z=True)
+    flat = ids.reshape(-1).long()
+    counts = torch.bincount(flat[flat >= 0], minlength=E)
+    assert counts.max() * E > db.LPT_MIN_SKEW * counts.sum()   # the LPT branch runs
+    args = types.SimpleNamespace(rounds=2, variants=["fixed", "lpt", "index order, snake"])
+    rows = ab._wg_alone("tiny", args, base, lambda bc: db.dispatch_backward_triton(
+        go, x, w13, w2, tw, ids, z=z, config=cfg, bwd_config=bc))
+    assert [r[1] for r in rows] == args.variants
+    assert all(r[2] == r[3] == 1.0 and r[4] is True for r in rows), rows
+    assert (db.LPT_SORT, db.LPT_SNAKE, db.LPT_MIN_SKEW) == (True, True, 2)   # restored

@@ -243,36 +243,26 @@ def weight_grad_persistent_kernel(
     n_n = tl.cdiv(N, BLOCK_N)
     per_e = tl.cdiv(M, BLOCK_M) * n_n
     total = E * per_e
+    my_tiles = tl.cdiv(total - pid, NUM_PROGRAMS)   # the fixed deal: tiles pid + r*NUM_PROGRAMS
     if LPT:
         order_row = order_ptr + pid * BLOCK_E
         skewed = _expert_order(expert_ends_ptr, order_row, E, BLOCK_E, LPT_SORT, LPT_MIN_SKEW)
-        # skewed: rounds, every program visits each; else the fixed deal below
-        my_tiles = tl.where(skewed, tl.cdiv(total, NUM_PROGRAMS),
-                            tl.cdiv(total - pid, NUM_PROGRAMS))
-    else:
-        my_tiles = tl.cdiv(total - pid, NUM_PROGRAMS)
+        # skewed: every program visits each round (a snaked position may be past the end)
+        my_tiles = tl.where(skewed, tl.cdiv(total, NUM_PROGRAMS), my_tiles)
     lanes = tl.arange(0, CHUNK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for c0 in range(0, my_tiles, CHUNK):
+        rnd = c0 + lanes
+        t = rnd * NUM_PROGRAMS + pid
+        if LPT and LPT_SNAKE:   # odd rounds in reverse where skewed
+            t = tl.where(skewed & (rnd % 2 == 1), t + NUM_PROGRAMS - 1 - 2 * pid, t)
+        valid = t < total
+        pos = tl.where(valid, t // per_e, 0)   # the expert's place in the order
+        e_v = pos                              # (the experts' own order)
         if LPT:
-            rnd = c0 + lanes
-            if LPT_SNAKE:
-                odd = skewed & (rnd % 2 == 1)
-                t = rnd * NUM_PROGRAMS + tl.where(odd, NUM_PROGRAMS - 1 - pid, pid)
-            else:
-                t = rnd * NUM_PROGRAMS + pid
-            valid = t < total
-            pos = tl.where(valid, t // per_e, 0)           # the expert's place in the order
-            if skewed:
+            if skewed:   # else no dependent load before the expert ends'
                 e_v = tl.load(order_row + pos, mask=valid, other=0)
-            else:   # the experts' own order: no dependent load before the expert ends'
-                e_v = pos
-            rem = t - pos * per_e
-        else:
-            valid = c0 + lanes < my_tiles
-            t = pid + (c0 + lanes) * NUM_PROGRAMS
-            e_v = tl.where(valid, t // per_e, 0)
-            rem = t - e_v * per_e
+        rem = t - pos * per_e
         mn_v = ((rem // n_n) << 16) | (rem % n_n)
         start, valid_end = _expert_span(expert_ends_ptr, e_v, E, valid)
         steps_v = tl.where(valid, tl.maximum(tl.cdiv(valid_end - start, BLOCK_K), 1), 0)

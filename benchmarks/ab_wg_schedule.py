@@ -17,6 +17,7 @@ round, best of the rounds): a profiled round of the whole backward cannot resolv
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 
 import torch
@@ -34,6 +35,22 @@ VARIANTS = {   # name: (wg_lpt, LPT_SORT, LPT_SNAKE, LPT_MIN_SKEW)
     "sort, round robin": (True, True, False, 0),
     "index order, snake": (True, False, True, 0),
 }
+
+
+@contextlib.contextmanager
+def _lpt_switches():
+    """Restores dispatch_backward's LPT switches, which _variant sets, on the way out."""
+    saved = db.LPT_SORT, db.LPT_SNAKE, db.LPT_MIN_SKEW
+    try:
+        yield
+    finally:
+        db.LPT_SORT, db.LPT_SNAKE, db.LPT_MIN_SKEW = saved
+
+
+def _variant(base, v):
+    """The backward config of variant v (persistent weight gradients), its switches set."""
+    lpt, db.LPT_SORT, db.LPT_SNAKE, db.LPT_MIN_SKEW = VARIANTS[v]
+    return dataclasses.replace(base, wg_persistent=True, wg_lpt=lpt)
 
 
 def main(argv=None) -> int:
@@ -66,20 +83,19 @@ def main(argv=None) -> int:
             continue
         best = {v: float("inf") for v in args.variants}
         wg_ms, outs = {}, {}
-        for rnd in range(args.rounds):
-            for v in args.variants:
-                lpt, db.LPT_SORT, db.LPT_SNAKE, db.LPT_MIN_SKEW = VARIANTS[v]
-                bc = dataclasses.replace(base, wg_persistent=True, wg_lpt=lpt)
-                fn = (lambda bc=bc: db.dispatch_backward_triton(go, x, w13, w2, tw, ids, z=z,
-                                                                config=cfg, bwd_config=bc))
-                if rnd == 0:
-                    outs[v] = fn()
-                best[v] = min(best[v], triton.testing.do_bench(fn, warmup=20, rep=200))
-                if rnd == args.rounds - 1:
-                    kt = bench.kernel_times_us(fn, 3)
-                    wg_ms[v] = sum(t for k, t in kt.items() if k.startswith("weight_grad")) / 1e3
-        db.LPT_SORT = db.LPT_SNAKE = True
-        db.LPT_MIN_SKEW = 2
+        with _lpt_switches():
+            for rnd in range(args.rounds):
+                for v in args.variants:
+                    bc = _variant(base, v)
+                    fn = (lambda bc=bc: db.dispatch_backward_triton(
+                        go, x, w13, w2, tw, ids, z=z, config=cfg, bwd_config=bc))
+                    if rnd == 0:
+                        outs[v] = fn()
+                    best[v] = min(best[v], triton.testing.do_bench(fn, warmup=20, rep=200))
+                    if rnd == args.rounds - 1:
+                        kt = bench.kernel_times_us(fn, 3)
+                        wg_ms[v] = sum(t for k, t in kt.items()
+                                       if k.startswith("weight_grad")) / 1e3
         ref = outs[args.variants[0]]
         for v in args.variants:
             same = all(torch.equal(a, b) for a, b in zip(outs[v], ref))
@@ -120,20 +136,19 @@ def _wg_alone(cell, args, base, backward):
     assert len(calls) == 2, len(calls)   # dW2, dW13
     best = {(v, i): float("inf") for v in args.variants for i in range(2)}
     outs = {}
-    for rnd in range(args.rounds):
-        for v in args.variants:
-            lpt, db.LPT_SORT, db.LPT_SNAKE, db.LPT_MIN_SKEW = VARIANTS[v]
-            bc = dataclasses.replace(base, wg_persistent=True, wg_lpt=lpt)
-            for i, (left, right, out, al, _, prec) in enumerate(calls):
-                fn = (lambda left=left, right=right, out=out, al=al, bc=bc, prec=prec:
-                      launch(left, right, out, al, bc, prec))
-                if rnd == 0:   # poisoned: a tile a deal skipped would keep NaN, not the
-                    out.fill_(float("nan"))   # previous deal's sums
-                    fn()
-                    outs[v, i] = out.clone()
-                best[v, i] = min(best[v, i], triton.testing.do_bench(fn, warmup=20, rep=200))
-    db.LPT_SORT = db.LPT_SNAKE = True
-    db.LPT_MIN_SKEW = 2
+    with _lpt_switches():
+        for rnd in range(args.rounds):
+            for v in args.variants:
+                bc = _variant(base, v)
+                for i, (left, right, out, al, _, prec) in enumerate(calls):
+                    fn = (lambda left=left, right=right, out=out, al=al, bc=bc, prec=prec:
+                          launch(left, right, out, al, bc, prec))
+                    if rnd == 0:   # poisoned: a tile a deal skipped would keep NaN, not the
+                        out.fill_(float("nan"))   # previous deal's sums
+                        fn()
+                        outs[v, i] = out.clone()
+                    best[v, i] = min(best[v, i],
+                                     triton.testing.do_bench(fn, warmup=20, rep=200))
     rows = []
     for v in args.variants:
         same = all(torch.equal(outs[v, i], outs[args.variants[0], i]) for i in range(2))

@@ -7,7 +7,8 @@ Variants alternate within each round; the best backward of the rounds and the we
 kernel's profiler time (last round) are kept; gradients are compared bitwise.
 
 With --wg-alone, each weight-gradient launch of one backward (dW2, dW13) is timed by itself
-instead (do_bench of that launch on the backward's own operands, variants alternating per
+instead (do_bench of that launch on the backward's own operands, and its kernels' device
+time by the profiler over 30 calls, which leaves host time out; variants alternating per
 round, best of the rounds): a profiled round of the whole backward cannot resolve 1-2%
 (NOTES.md entry 56).
 
@@ -28,28 +29,34 @@ from moe_ops import bench
 from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
-VARIANTS = {   # name: (wg_lpt, LPT_SORT, LPT_SNAKE, LPT_MIN_SKEW)
-    "fixed": (False, True, True, 2),
-    "lpt": (True, True, True, 2),                  # ranked and snaking where skewed (default)
-    "lpt forced": (True, True, True, 0),           # ranked and snaking everywhere
-    "sort, round robin": (True, True, False, 0),
-    "index order, snake": (True, False, True, 0),
+VARIANTS = {   # name: (wg_lpt, LPT_SORT, LPT_SNAKE, LPT_MIN_SKEW, LPT_SHARED)
+    "fixed": (False, True, True, 2, True),
+    "lpt": (True, True, True, 2, True),             # ranked and snaking where skewed (default),
+                                                    # ranked once per launch (expert_order_kernel)
+    "lpt per program": (True, True, True, 2, False),   # ... ranked in every program
+    "lpt forced": (True, True, True, 0, True),      # ranked and snaking everywhere
+    "sort, round robin": (True, True, False, 0, True),
+    "index order, snake": (True, False, True, 0, True),
 }
+_SWITCHES = ("LPT_SORT", "LPT_SNAKE", "LPT_MIN_SKEW", "LPT_SHARED")
 
 
 @contextlib.contextmanager
 def _lpt_switches():
     """Restores dispatch_backward's LPT switches, which _variant sets, on the way out."""
-    saved = db.LPT_SORT, db.LPT_SNAKE, db.LPT_MIN_SKEW
+    saved = [getattr(db, k) for k in _SWITCHES]
     try:
         yield
     finally:
-        db.LPT_SORT, db.LPT_SNAKE, db.LPT_MIN_SKEW = saved
+        for k, v in zip(_SWITCHES, saved):
+            setattr(db, k, v)
 
 
 def _variant(base, v):
     """The backward config of variant v (persistent weight gradients), its switches set."""
-    lpt, db.LPT_SORT, db.LPT_SNAKE, db.LPT_MIN_SKEW = VARIANTS[v]
+    lpt, *switches = VARIANTS[v]
+    for k, val in zip(_SWITCHES, switches):
+        setattr(db, k, val)
     return dataclasses.replace(base, wg_persistent=True, wg_lpt=lpt)
 
 
@@ -105,10 +112,11 @@ def main(argv=None) -> int:
         outs = ref = z = None
         torch.cuda.empty_cache()
     if args.wg_alone:
-        print("\n| cell | variant | dW2 launch ms | dW13 launch ms | bitwise |")
-        print("|---|---|---|---|---|")
-        for c, v, t2, t13, same in table:
-            print(f"| {c} | {v} | {t2:.4f} | {t13:.4f} | {same} |")
+        print("\n| cell | variant | dW2 launch ms | dW13 launch ms | dW2 kernels ms | "
+              "dW13 kernels ms | bitwise |")
+        print("|---|---|---|---|---|---|---|")
+        for c, v, t2, t13, k2, k13, same in table:
+            print(f"| {c} | {v} | {t2:.4f} | {t13:.4f} | {k2:.4f} | {k13:.4f} | {same} |")
         return 0
     print("\n| cell | variant | backward ms (best of rounds) | weight-gradient kernels ms | bitwise |")
     print("|---|---|---|---|---|")
@@ -135,6 +143,7 @@ def _wg_alone(cell, args, base, backward):
         db.weight_grad_triton = launch
     assert len(calls) == 2, len(calls)   # dW2, dW13
     best = {(v, i): float("inf") for v in args.variants for i in range(2)}
+    dev_ms = dict(best)   # the launch's kernels' device time (profiler, no host time)
     outs = {}
     with _lpt_switches():
         for rnd in range(args.rounds):
@@ -149,12 +158,14 @@ def _wg_alone(cell, args, base, backward):
                         outs[v, i] = out.clone()
                     best[v, i] = min(best[v, i],
                                      triton.testing.do_bench(fn, warmup=20, rep=200))
+                    dev_ms[v, i] = min(dev_ms[v, i],
+                                       sum(bench.kernel_times_us(fn, 30).values()) / 1e3)
     rows = []
     for v in args.variants:
         same = all(torch.equal(outs[v, i], outs[args.variants[0], i]) for i in range(2))
-        rows.append((cell, v, best[v, 0], best[v, 1], same))
+        rows.append((cell, v, best[v, 0], best[v, 1], dev_ms[v, 0], dev_ms[v, 1], same))
         print(f"{cell:26s} {v:20s} dW2 {best[v, 0]:8.4f} ms  dW13 {best[v, 1]:8.4f} ms  "
-              f"bitwise={same}", flush=True)
+              f"kernels {dev_ms[v, 0]:8.4f} {dev_ms[v, 1]:8.4f} ms  bitwise={same}", flush=True)
     return rows
 
 

@@ -314,6 +314,7 @@ def test_ab_wg_schedule_wg_alone_in_interpreter(interpreter, monkeypatch):
 
     ab = _import_benchmark_script("ab_wg_schedule.py", monkeypatch)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup=0, rep=0: (fn(), 1.0)[1])
+    monkeypatch.setattr(ab.bench, "kernel_times_us", lambda fn, n=3: (fn(), {"k": 2e3})[1])
     T, H, I, E, K = 24, 32, 24, 6, 2
     g = torch.Generator().manual_seed(11)
     x, w13, w2, tw, ids = make_dispatch_inputs(T, H, I, E, K, generator=g)
@@ -327,9 +328,11 @@ def test_ab_wg_schedule_wg_alone_in_interpreter(interpreter, monkeypatch):
     flat = ids.reshape(-1).long()
     counts = torch.bincount(flat[flat >= 0], minlength=E)
     assert counts.max() * E > db.LPT_MIN_SKEW * counts.sum()   # the LPT branch runs
-    args = types.SimpleNamespace(rounds=2, variants=["fixed", "lpt", "index order, snake"])
+    args = types.SimpleNamespace(rounds=2, variants=["fixed", "lpt", "index order, snake",
+                                                     "lpt per program"])
+    switches = [getattr(db, k) for k in ab._SWITCHES]
     rows = ab._wg_alone("tiny", args, base, lambda bc: db.dispatch_backward_triton(
         go, x, w13, w2, tw, ids, z=z, config=cfg, bwd_config=bc))
     assert [r[1] for r in rows] == args.variants
-    assert all(r[2] == r[3] == 1.0 and r[4] is True for r in rows), rows
-    assert (db.LPT_SORT, db.LPT_SNAKE, db.LPT_MIN_SKEW) == (True, True, 2)   # restored
+    assert all(r[2:6] == (1.0, 1.0, 2.0, 2.0) and r[6] is True for r in rows), rows
+    assert switches == [getattr(db, k) for k in ab._SWITCHES]   # restored

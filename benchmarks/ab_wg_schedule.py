@@ -29,16 +29,14 @@ from moe_ops import bench
 from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
-VARIANTS = {   # name: (wg_lpt, LPT_SORT, LPT_SNAKE, LPT_MIN_SKEW, LPT_SHARED)
-    "fixed": (False, True, True, 2, True),
-    "lpt": (True, True, True, 2, True),             # ranked and snaking where skewed (default),
-                                                    # ranked once per launch (expert_order_kernel)
-    "lpt per program": (True, True, True, 2, False),   # ... ranked in every program
-    "lpt forced": (True, True, True, 0, True),      # ranked and snaking everywhere
-    "sort, round robin": (True, True, False, 0, True),
-    "index order, snake": (True, False, True, 0, True),
+VARIANTS = {   # name: (wg_lpt, LPT_SORT, LPT_SNAKE, LPT_MIN_SKEW)
+    "fixed": (False, True, True, 2),
+    "lpt": (True, True, True, 2),                  # ranked and snaking where skewed (default)
+    "lpt forced": (True, True, True, 0),           # ranked and snaking everywhere
+    "sort, round robin": (True, True, False, 0),
+    "index order, snake": (True, False, True, 0),
 }
-_SWITCHES = ("LPT_SORT", "LPT_SNAKE", "LPT_MIN_SKEW", "LPT_SHARED")
+_SWITCHES = ("LPT_SORT", "LPT_SNAKE", "LPT_MIN_SKEW")
 
 
 @contextlib.contextmanager
@@ -68,6 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--wg-alone", action="store_true",
                    help="time each weight-gradient launch by itself (see above)")
+    p.add_argument("--graph", action="store_true",
+                   help="also time each variant's backward as a CUDA-graph replay (no host time)")
     args = p.parse_args(argv)
     dev, dt = torch.device("cuda"), torch.bfloat16
     table = []
@@ -89,7 +89,8 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
             continue
         best = {v: float("inf") for v in args.variants}
-        wg_ms, outs = {}, {}
+        best_graph = dict(best)
+        wg_ms, outs, graphs = {}, {}, {}
         with _lpt_switches():
             for rnd in range(args.rounds):
                 for v in args.variants:
@@ -98,7 +99,12 @@ def main(argv=None) -> int:
                         go, x, w13, w2, tw, ids, z=z, config=cfg, bwd_config=bc))
                     if rnd == 0:
                         outs[v] = fn()
+                        if args.graph:
+                            graphs[v] = _graphed(fn)
                     best[v] = min(best[v], triton.testing.do_bench(fn, warmup=20, rep=200))
+                    if args.graph:
+                        best_graph[v] = min(best_graph[v], triton.testing.do_bench(
+                            graphs[v].replay, warmup=20, rep=200))
                     if rnd == args.rounds - 1:
                         kt = bench.kernel_times_us(fn, 3)
                         wg_ms[v] = sum(t for k, t in kt.items()
@@ -106,10 +112,10 @@ def main(argv=None) -> int:
         ref = outs[args.variants[0]]
         for v in args.variants:
             same = all(torch.equal(a, b) for a, b in zip(outs[v], ref))
-            table.append((cell, v, best[v], wg_ms[v], same))
-            print(f"{cell:26s} {v:20s} backward {best[v]:8.3f} ms  weight grads {wg_ms[v]:7.3f} "
-                  f"ms  bitwise={same}", flush=True)
-        outs = ref = z = None
+            table.append((cell, v, best[v], best_graph[v], wg_ms[v], same))
+            print(f"{cell:26s} {v:20s} backward {best[v]:8.3f} ms  replay {best_graph[v]:8.3f} "
+                  f"ms  weight grads {wg_ms[v]:7.3f} ms  bitwise={same}", flush=True)
+        outs = ref = z = graphs = None
         torch.cuda.empty_cache()
     if args.wg_alone:
         print("\n| cell | variant | dW2 launch ms | dW13 launch ms | dW2 kernels ms | "
@@ -118,11 +124,26 @@ def main(argv=None) -> int:
         for c, v, t2, t13, k2, k13, same in table:
             print(f"| {c} | {v} | {t2:.4f} | {t13:.4f} | {k2:.4f} | {k13:.4f} | {same} |")
         return 0
-    print("\n| cell | variant | backward ms (best of rounds) | weight-gradient kernels ms | bitwise |")
-    print("|---|---|---|---|---|")
-    for c, v, b, w, same in table:
-        print(f"| {c} | {v} | {b:.3f} | {w:.3f} | {same} |")
+    print("\n| cell | variant | backward ms (best of rounds) | graph replay ms | "
+          "weight-gradient kernels ms | bitwise |")
+    print("|---|---|---|---|---|---|")
+    for c, v, b, bg, w, same in table:
+        print(f"| {c} | {v} | {b:.3f} | {bg:.3f} | {w:.3f} | {same} |")
     return 0
+
+
+def _graphed(fn):
+    """fn captured as a CUDA graph (warmed up on a side stream first)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
 
 
 def _wg_alone(cell, args, base, backward):

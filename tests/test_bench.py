@@ -328,8 +328,7 @@ def test_ab_wg_schedule_wg_alone_in_interpreter(interpreter, monkeypatch):
     flat = ids.reshape(-1).long()
     counts = torch.bincount(flat[flat >= 0], minlength=E)
     assert counts.max() * E > db.LPT_MIN_SKEW * counts.sum()   # the LPT branch runs
-    args = types.SimpleNamespace(rounds=2, variants=["fixed", "lpt", "index order, snake",
-                                                     "lpt per program"])
+    args = types.SimpleNamespace(rounds=2, variants=["fixed", "lpt", "index order, snake"])
     switches = [getattr(db, k) for k in ab._SWITCHES]
     rows = ab._wg_alone("tiny", args, base, lambda bc: db.dispatch_backward_triton(
         go, x, w13, w2, tw, ids, z=z, config=cfg, bwd_config=bc))

@@ -486,16 +486,9 @@ def test_weight_grad_persistent_matches_per_tile(name, routing):
         _poison_allocator()
         got[vname] = dispatch_backward_triton(go, hidden, w13, w2, tw, ids, config=cfg,
                                               bwd_config=v)
-    import moe_ops.launch.dispatch_backward as db
-    with pytest.MonkeyPatch.context() as mp:   # the LPT order's other form (ranked once / per
-        mp.setattr(db, "LPT_SHARED", not db.LPT_SHARED)   # program)
-        _poison_allocator()
-        got["lpt other form"] = dispatch_backward_triton(go, hidden, w13, w2, tw, ids,
-                                                         config=cfg, bwd_config=variants["lpt"])
     ref = dispatch_backward_reference(go, hidden, w13, w2, tw, ids)
     for i, label in ((1, "w13"), (2, "w2")):
-        for vname in ("persistent", "small chunks", "split s4", "lpt", "lpt small chunks",
-                      "lpt other form", "ws"):
+        for vname in ("persistent", "small chunks", "split s4", "lpt", "lpt small chunks", "ws"):
             assert torch.equal(got[vname][i], got["per tile"][i]), (vname, label)
         assert rel_err(got["ws"][i], ref[i]) <= BWD_RTOL[torch.bfloat16], label
     del got, ref

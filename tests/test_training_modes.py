@@ -966,22 +966,19 @@ def test_persistent_weight_grads_match_per_tile(interpreter, routing, kernel):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("shared", [True, False], ids=["ranked once", "ranked per program"])
 @pytest.mark.parametrize("routing", ["skewed", "one_expert", "empty_experts", "negative",
                                      "balanced"])
-def test_persistent_weight_grads_lpt_order(interpreter, routing, shared, monkeypatch):
-    """The LPT schedule's expert order: where the largest expert has more than twice the mean
-    rows, experts by valid rows, largest first, ties by expert index (empty experts last); else
-    the experts' own order; ranked once before the launch (expert_order_kernel, the skew flag
-    after the order) or by each program into its row of the scratch. The gradients are bitwise
-    those of the fixed schedule (each tile is still summed whole, in row order, by one
-    program)."""
+def test_persistent_weight_grads_lpt_order(interpreter, routing, monkeypatch):
+    """The LPT schedule's expert order, as each program computes it: where the largest expert
+    has more than twice the mean rows, experts by valid rows, largest first, ties by expert
+    index (empty experts last); else the experts' own order; in every program's row of the
+    scratch. The gradients are bitwise those of the fixed schedule (each tile is still summed
+    whole, in row order, by one program)."""
     import dataclasses
 
     import moe_ops.launch.dispatch_backward as db
     from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
-    monkeypatch.setattr(db, "LPT_SHARED", shared)
     seed = fresh_seed()
     T, H, I, E, K = 40, 32, 24, 12, 3
     args, g = _inputs(T, H, I, E, K, routing="uniform" if routing == "balanced" else routing,
@@ -1013,14 +1010,8 @@ def test_persistent_weight_grads_lpt_order(interpreter, routing, shared, monkeyp
         assert not skewed, (seed, counts)
     expected = sorted(range(E), key=lambda e: (-counts[e], e)) if skewed else list(range(E))
     for order in orders:
-        if shared:   # BLOCK_E = 16, then the flag
-            assert order.shape == (17,), order.shape
-            assert order[16].item() == int(skewed), (seed, routing, order.tolist())
-            rows = [order[:16]]
-        else:
-            assert order.shape == (3, 16), order.shape   # 3 interpreted programs
-            rows = list(order)
-        for row in rows:
+        assert order.shape == (3, 16), order.shape   # 3 interpreted programs, BLOCK_E = 16
+        for row in order:
             assert row[:E].tolist() == expected, (seed, routing, row.tolist(), counts)
     for name, a, b in zip(NAMES, lpt, fixed):
         assert torch.equal(a, b), (seed, name)

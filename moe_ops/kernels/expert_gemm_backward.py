@@ -195,23 +195,13 @@ def _expert_order(expert_ends_ptr, order_row, E, BLOCK_E: tl.constexpr,
 
 
 @triton.jit
-def expert_order_kernel(expert_ends_ptr, order_ptr, E, BLOCK_E: tl.constexpr,
-                        SORT: tl.constexpr = True, MIN_SKEW: tl.constexpr = 2):
-    """_expert_order once (one program): order_ptr[:BLOCK_E] the experts' order, then
-    order_ptr[BLOCK_E] = whether the routing is skewed, for weight_grad_persistent_kernel's
-    LPT_SHARED form."""
-    skewed = _expert_order(expert_ends_ptr, order_ptr, E, BLOCK_E, SORT, MIN_SKEW)
-    tl.store(order_ptr + BLOCK_E, skewed.to(tl.int32))
-
-
-@triton.jit
 def weight_grad_persistent_kernel(
     l_desc, r_desc, o_desc, expert_ends_ptr, M, N, E, n_rows,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr, SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, order_ptr=None, LPT: tl.constexpr = False,
     BLOCK_E: tl.constexpr = 1, LPT_SORT: tl.constexpr = True, LPT_SNAKE: tl.constexpr = True,
-    LPT_MIN_SKEW: tl.constexpr = 2, LPT_SHARED: tl.constexpr = False,
+    LPT_MIN_SKEW: tl.constexpr = 2,
 ):
     """weight_grad_kernel's sums (the same rows in the same order, the same tile shape, so the
     same float32 sums) with NUM_PROGRAMS programs, each walking output tiles pid,
@@ -239,14 +229,11 @@ def weight_grad_persistent_kernel(
     several tiles of hot experts and others none. With LPT the tiles are ordered by their
     expert's row count, largest first (ties by expert index), and dealt in rounds of
     NUM_PROGRAMS, snaking (program p takes position p of even rounds and NUM_PROGRAMS-1-p of odd
-    ones), so every program's total is near the mean. With LPT_SHARED, expert_order_kernel
-    ranked the experts once before this launch (an [BLOCK_E, 32] compare per 32 experts) into
-    `order_ptr` ([BLOCK_E + 1] int32: the order, then the skew flag), and each program loads the
-    flag; else each program ranks the experts itself into its row of `order_ptr`
-    ([NUM_PROGRAMS, BLOCK_E] int32 scratch), which puts [BLOCK_E]-wide loads, reductions, a
-    store and a barrier before every program's first tile. The ranking and the snake apply
-    only when the routing is skewed (the largest expert has more than LPT_MIN_SKEW times the
-    mean rows, a runtime test): on near-uniform routing the snaking deal cost 3-9% on the
+    ones), so every program's total is near the mean. Each program ranks the experts itself
+    (an [BLOCK_E, 32] compare per 32 experts) and keeps the order in its row of `order_ptr`
+    ([NUM_PROGRAMS, BLOCK_E] int32 scratch). The ranking and the snake apply only when the
+    routing is skewed (the largest expert has more than LPT_MIN_SKEW times the mean rows, a
+    runtime test in every program): on near-uniform routing the snaking deal cost 3-9% on the
     H200 for no balance to gain (benchmarks/NOTES.md, entry 53), so there the order is the
     experts' own and the deal the fixed one, and the ranking and the per-chunk order load are
     skipped by runtime branches (with both, the path cost ~1.5% of the backward there).
@@ -258,13 +245,8 @@ def weight_grad_persistent_kernel(
     total = E * per_e
     my_tiles = tl.cdiv(total - pid, NUM_PROGRAMS)   # the fixed deal: tiles pid + r*NUM_PROGRAMS
     if LPT:
-        if LPT_SHARED:   # expert_order_kernel ran before: one order for all programs, then
-            order_row = order_ptr            # the skew flag
-            skewed = tl.load(order_ptr + BLOCK_E) != 0
-        else:
-            order_row = order_ptr + pid * BLOCK_E
-            skewed = _expert_order(expert_ends_ptr, order_row, E, BLOCK_E, LPT_SORT,
-                                   LPT_MIN_SKEW)
+        order_row = order_ptr + pid * BLOCK_E
+        skewed = _expert_order(expert_ends_ptr, order_row, E, BLOCK_E, LPT_SORT, LPT_MIN_SKEW)
         # skewed: every program visits each round (a snaked position may be past the end)
         my_tiles = tl.where(skewed, tl.cdiv(total, NUM_PROGRAMS), my_tiles)
     lanes = tl.arange(0, CHUNK)

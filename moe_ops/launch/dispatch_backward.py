@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from moe_ops._runtime import cdiv, kernel_for, next_pow2
-from moe_ops.kernels.expert_gemm_backward import (expert_order_kernel, gather_rows_kernel, swiglu_grad_kernel,
+from moe_ops.kernels.expert_gemm_backward import (gather_rows_kernel, swiglu_grad_kernel,
                                                   weight_grad_kernel,
                                                   weight_grad_persistent_kernel,
                                                   weight_grad_ws_kernel)
@@ -166,22 +166,15 @@ def _weight_grad_persistent(left, right, out, al, bc, prec, bk, fk=None) -> bool
     # LPT_MAX_EXPERTS, as every program ranks all experts once
     block_e = next_pow2(E)
     lpt = bc.wg_lpt and E > 1 and block_e <= LPT_MAX_EXPERTS
-    order = None
-    if lpt and LPT_SHARED:
-        order = torch.empty(block_e + 1, dtype=torch.int32, device=out.device)
-        kernel_for(expert_order_kernel, out.device, fk and fk + ("order",))[(1,)](
-            al.expert_ends, order, E, BLOCK_E=block_e, SORT=LPT_SORT, MIN_SKEW=LPT_MIN_SKEW,
-            num_warps=4)
-    elif lpt:
-        order = torch.empty(programs, block_e, dtype=torch.int32, device=out.device)
-    fk = fk and fk + (lpt, LPT_SORT, LPT_SNAKE, LPT_MIN_SKEW, LPT_SHARED,
+    order = torch.empty(programs, block_e, dtype=torch.int32, device=out.device) if lpt else None
+    fk = fk and fk + (lpt, LPT_SORT, LPT_SNAKE, LPT_MIN_SKEW,
                       order is None or order.data_ptr() % 16)
     kernel_for(weight_grad_persistent_kernel, out.device, fk)[(programs,)](
         *descs, al.expert_ends, M, N, E, left.shape[0],
         BLOCK_M=bc.wg_m, BLOCK_N=bc.wg_n, BLOCK_K=bk, CHUNK=bc.wg_chunk, SPLIT=split,
         NUM_PROGRAMS=programs, DOT_PRECISION=prec, order_ptr=order, LPT=lpt,
         BLOCK_E=block_e if lpt else 1, LPT_SORT=LPT_SORT, LPT_SNAKE=LPT_SNAKE,
-        LPT_MIN_SKEW=LPT_MIN_SKEW, LPT_SHARED=lpt and LPT_SHARED,
+        LPT_MIN_SKEW=LPT_MIN_SKEW,
         num_warps=bc.wg_warps, num_stages=bc.wg_stages or bc.num_stages,
     )
     return True
@@ -195,10 +188,6 @@ LPT_SNAKE = True
 # ... and both only where the largest expert has more than this many times the mean rows (the
 # kernel tests it at run time; the snaking deal costs 3-9% on near-uniform routing: NOTES.md 53)
 LPT_MIN_SKEW = 2
-# Where the ranking runs: once per launch in expert_order_kernel (one program, before the weight
-# gradients), or (False) in every program of the weight-gradient kernel, a prologue before its
-# first tile (NOTES.md 57)
-LPT_SHARED = True
 
 
 def _weight_grad_ws(left, right, out, al, bc, prec, bk) -> bool:

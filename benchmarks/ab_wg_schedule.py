@@ -12,8 +12,13 @@ time by the profiler over 30 calls, which leaves host time out; variants alterna
 round, best of the rounds): a profiled round of the whole backward cannot resolve 1-2%
 (NOTES.md entry 56).
 
+With --graph, each variant's backward is also timed as a CUDA-graph replay (no host time in
+it). The variant "fixed, scratch" is the fixed deal with an unused tensor of the LPT order
+scratch's size allocated before each weight-gradient launch: whether the allocation alone moves
+the backward.
+
     PYTHONPATH=. python benchmarks/ab_wg_schedule.py [--cells qwen3_30b_a3b_zipf:8192 ...]
-        [--wg-alone]
+        [--wg-alone] [--graph]
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ import triton
 
 import moe_ops.launch.dispatch_backward as db
 from moe_ops import bench
-from moe_ops.launch.dispatch import dispatch_triton
+from moe_ops._runtime import next_pow2
+from moe_ops.launch.dispatch import dispatch_triton, num_programs
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
 VARIANTS = {   # name: (wg_lpt, LPT_SORT, LPT_SNAKE, LPT_MIN_SKEW)
@@ -37,6 +43,9 @@ VARIANTS = {   # name: (wg_lpt, LPT_SORT, LPT_SNAKE, LPT_MIN_SKEW)
     "index order, snake": (True, False, True, 0),
 }
 _SWITCHES = ("LPT_SORT", "LPT_SNAKE", "LPT_MIN_SKEW")
+# the fixed deal with LPT's order scratch allocated (unused) before each weight-gradient launch:
+# does the allocation alone (host time, the later buffers' addresses) move the backward?
+SCRATCH_VARIANTS = {"fixed, scratch": "fixed"}
 
 
 @contextlib.contextmanager
@@ -63,7 +72,8 @@ def main(argv=None) -> int:
     p.add_argument("--cells", nargs="+", default=["qwen3_30b_a3b_zipf:8192", "qwen3_30b_a3b:8192",
                                                   "deepseek_v3_routed:8192"])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                   choices=list(VARIANTS) + list(SCRATCH_VARIANTS))
     p.add_argument("--wg-alone", action="store_true",
                    help="time each weight-gradient launch by itself (see above)")
     p.add_argument("--graph", action="store_true",
@@ -94,9 +104,10 @@ def main(argv=None) -> int:
         with _lpt_switches():
             for rnd in range(args.rounds):
                 for v in args.variants:
-                    bc = _variant(base, v)
-                    fn = (lambda bc=bc: db.dispatch_backward_triton(
-                        go, x, w13, w2, tw, ids, z=z, config=cfg, bwd_config=bc))
+                    bc = _variant(base, SCRATCH_VARIANTS.get(v, v))
+                    fn = (lambda bc=bc, sc=v in SCRATCH_VARIANTS: _with_scratch(
+                        sc, lambda: db.dispatch_backward_triton(
+                            go, x, w13, w2, tw, ids, z=z, config=cfg, bwd_config=bc)))
                     if rnd == 0:
                         outs[v] = fn()
                         if args.graph:
@@ -130,6 +141,25 @@ def main(argv=None) -> int:
     for c, v, b, bg, w, same in table:
         print(f"| {c} | {v} | {b:.3f} | {bg:.3f} | {w:.3f} | {same} |")
     return 0
+
+
+def _with_scratch(on, fn):
+    """fn(), with (on) an unused [programs, next_pow2(E)] int32 tensor allocated before each
+    weight-gradient launch and freed after it, as the LPT path allocates its order scratch."""
+    if not on:
+        return fn()
+    launch = db.weight_grad_triton
+
+    def wrapped(left, right, out, al, bc, prec, key=None):
+        n = num_programs(out.device) * bc.wg_per_sm * next_pow2(out.shape[0])
+        scratch = torch.empty(n, dtype=torch.int32, device=out.device)   # noqa: F841
+        return launch(left, right, out, al, bc, prec, key=key)
+
+    db.weight_grad_triton = wrapped
+    try:
+        return fn()
+    finally:
+        db.weight_grad_triton = launch
 
 
 def _graphed(fn):

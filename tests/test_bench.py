@@ -335,3 +335,16 @@ def test_ab_wg_schedule_wg_alone_in_interpreter(interpreter, monkeypatch):
     assert [r[1] for r in rows] == args.variants
     assert all(r[2:6] == (1.0, 1.0, 2.0, 2.0) and r[6] is True for r in rows), rows
     assert switches == [getattr(db, k) for k in ab._SWITCHES]   # restored
+    # the "fixed, scratch" variant: the same gradients with the unused scratch allocated before
+    # each weight-gradient launch; the launch function restored afterwards
+    launch, sizes = db.weight_grad_triton, []
+    monkeypatch.setattr(torch, "empty", lambda *a, _e=torch.empty, **k: (
+        sizes.append(a), _e(*a, **k))[1])
+    bc = ab._variant(base, ab.SCRATCH_VARIANTS["fixed, scratch"])
+    with_scratch = ab._with_scratch(True, lambda: db.dispatch_backward_triton(
+        go, x, w13, w2, tw, ids, z=z, config=cfg, bwd_config=bc))
+    scratch = [a for a in sizes if a == (db.num_programs(x.device) * bc.wg_per_sm * 8,)]
+    assert len(scratch) == 2, sizes   # dW2, dW13 (E = 6 -> 8 lanes)
+    assert db.weight_grad_triton is launch
+    plain = db.dispatch_backward_triton(go, x, w13, w2, tw, ids, z=z, config=cfg, bwd_config=bc)
+    assert all(torch.equal(a, b) for a, b in zip(with_scratch, plain))

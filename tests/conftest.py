@@ -182,6 +182,15 @@ def env_without_interpreter() -> dict:
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
+def expert_counts_skewed(topk_ids, num_experts, min_skew):
+    """(rows per expert of topk_ids as a list, ids < 0 or >= E dropped; whether the largest
+    expert has more than min_skew times the mean rows): the weight-gradient kernel's LPT skew
+    test, computed on the host."""
+    ids = topk_ids.reshape(-1).long()
+    counts = torch.bincount(ids[(ids >= 0) & (ids < num_experts)], minlength=num_experts).tolist()
+    return counts, max(counts) * num_experts > min_skew * sum(counts)
+
+
 def spy_kernel_launches(monkeypatch, module, record):
     """Replace `module.kernel_for` (a launcher module's) so that every launch runs as before and
     then calls record(kernel, grid, args, kwargs)."""

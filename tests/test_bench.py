@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import env_without_interpreter, needs_interpreter
+from conftest import env_without_interpreter, expert_counts_skewed, needs_interpreter
 from moe_ops import bench
 
 ROOT = Path(__file__).parents[1]
@@ -300,7 +300,8 @@ def test_ab_wg_schedule_wg_alone_in_interpreter(interpreter, monkeypatch):
     """ab_wg_schedule.py --wg-alone's core on the CPU (interpreter; do_bench replaced by one
     call): it records the two weight-gradient launches of one backward and relaunches each under
     every deal on NaN-poisoned outputs; skewed routing, so LPT ranks and snakes, and the deals'
-    gradients are bitwise equal (each tile is still summed whole, in row order)."""
+    gradients are bitwise equal (each tile is still summed whole, in row order). Then the
+    backward A/B's "fixed, scratch" variant."""
     import dataclasses
     import types
 
@@ -325,9 +326,8 @@ def test_ab_wg_schedule_wg_alone_in_interpreter(interpreter, monkeypatch):
     cfg = dispatch_config(T, E, K, H, I, "cpu", torch.float16)
     base = dataclasses.replace(backward_config(cfg, "cpu", torch.float16), wg_chunk=2)
     _, z = dispatch_triton(x, w13, w2, tw, ids, config=cfg, save_z=True)
-    flat = ids.reshape(-1).long()
-    counts = torch.bincount(flat[flat >= 0], minlength=E)
-    assert counts.max() * E > db.LPT_MIN_SKEW * counts.sum()   # the LPT branch runs
+    counts, skewed = expert_counts_skewed(ids, E, db.LPT_MIN_SKEW)
+    assert skewed, counts   # the LPT branch runs
     args = types.SimpleNamespace(rounds=2, variants=["fixed", "lpt", "index order, snake"])
     switches = [getattr(db, k) for k in ab._SWITCHES]
     rows = ab._wg_alone("tiny", args, base, lambda bc: db.dispatch_backward_triton(

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_ops
-from conftest import (RTOL, OpCounter, assert_equal_across_tile_heights, ds_scale, grad_errors,
-                      needs_interpreter, rel_err, spy_kernel_launches)
+from conftest import (RTOL, OpCounter, assert_equal_across_tile_heights, ds_scale,
+                      expert_counts_skewed, grad_errors, needs_interpreter, rel_err,
+                      spy_kernel_launches)
 from moe_ops.ops.samples import dispatch_samples, make_dispatch_inputs
 from moe_ops.reference.dispatch import dispatch_backward_reference, dispatch_z_reference
 
@@ -1001,9 +1002,7 @@ def test_persistent_weight_grads_lpt_order(interpreter, routing, monkeypatch):
     lpt = db.dispatch_backward_triton(go, *args, config=cfg,
                                       bwd_config=dataclasses.replace(bc, wg_lpt=True))
     assert len(orders) == 2, (seed, len(orders))   # dW2, dW13
-    ids = args[4].reshape(-1).long()
-    counts = torch.bincount(ids[(ids >= 0) & (ids < E)], minlength=E).tolist()
-    skewed = max(counts) * E > db.LPT_MIN_SKEW * sum(counts)
+    counts, skewed = expert_counts_skewed(args[4], E, db.LPT_MIN_SKEW)
     if routing in ("skewed", "one_expert"):
         assert skewed, (seed, counts)   # both branches of the kernel's test are covered
     if routing == "balanced":

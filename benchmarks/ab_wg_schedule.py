@@ -79,6 +79,9 @@ def main(argv=None) -> int:
     p.add_argument("--graph", action="store_true",
                    help="also time each variant's backward as a CUDA-graph replay (no host time)")
     args = p.parse_args(argv)
+    if args.wg_alone and set(args.variants) & set(SCRATCH_VARIANTS):
+        p.error(f"--wg-alone times the launches themselves: the variants "
+                f"{sorted(SCRATCH_VARIANTS)} apply to the whole backward only")
     dev, dt = torch.device("cuda"), torch.bfloat16
     table = []
     for cell in args.cells:
@@ -177,9 +180,10 @@ def _graphed(fn):
 
 
 def _wg_alone(cell, args, base, backward):
-    """Rows (cell, variant, dW2 ms, dW13 ms, bitwise) for --wg-alone: the weight-gradient
-    launches of one backward with `base` recorded (their operands kept), then each launched by
-    itself under every variant."""
+    """Rows (cell, variant, dW2 ms, dW13 ms, dW2 kernels ms, dW13 kernels ms, bitwise) for
+    --wg-alone (do_bench, then the profiler's device time): the weight-gradient launches of one
+    backward with `base` recorded (their operands kept), then each launched by itself under
+    every variant."""
     calls = []
     launch = db.weight_grad_triton
 

@@ -114,7 +114,7 @@ def main(argv=None) -> int:
                     if rnd == 0:
                         outs[v] = fn()
                         if args.graph:
-                            graphs[v] = _graphed(fn)
+                            graphs[v] = bench.capture_graph(fn)[0]
                     best[v] = min(best[v], triton.testing.do_bench(fn, warmup=20, rep=200))
                     if args.graph:
                         best_graph[v] = min(best_graph[v], triton.testing.do_bench(
@@ -146,37 +146,36 @@ def main(argv=None) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _around_weight_grad(hook):
+    """dispatch_backward's weight_grad_triton calls hook(*args, **kwargs) before each launch
+    (what hook returns is kept alive until the launch returns); restored on the way out.
+    Yields the original launch function."""
+    launch = db.weight_grad_triton
+
+    def wrapped(*a, **k):
+        held = hook(*a, **k)   # noqa: F841
+        return launch(*a, **k)
+
+    db.weight_grad_triton = wrapped
+    try:
+        yield launch
+    finally:
+        db.weight_grad_triton = launch
+
+
 def _with_scratch(on, fn):
     """fn(), with (on) an unused [programs, next_pow2(E)] int32 tensor allocated before each
     weight-gradient launch and freed after it, as the LPT path allocates its order scratch."""
     if not on:
         return fn()
-    launch = db.weight_grad_triton
 
-    def wrapped(left, right, out, al, bc, prec, key=None):
+    def scratch(left, right, out, al, bc, *_, **__):
         n = num_programs(out.device) * bc.wg_per_sm * next_pow2(out.shape[0])
-        scratch = torch.empty(n, dtype=torch.int32, device=out.device)   # noqa: F841
-        return launch(left, right, out, al, bc, prec, key=key)
+        return torch.empty(n, dtype=torch.int32, device=out.device)
 
-    db.weight_grad_triton = wrapped
-    try:
+    with _around_weight_grad(scratch):
         return fn()
-    finally:
-        db.weight_grad_triton = launch
-
-
-def _graphed(fn):
-    """fn captured as a CUDA graph (warmed up on a side stream first)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def _wg_alone(cell, args, base, backward):
@@ -185,17 +184,8 @@ def _wg_alone(cell, args, base, backward):
     backward with `base` recorded (their operands kept), then each launched by itself under
     every variant."""
     calls = []
-    launch = db.weight_grad_triton
-
-    def record(*a, **k):
-        calls.append(a)
-        return launch(*a, **k)
-
-    db.weight_grad_triton = record
-    try:
+    with _around_weight_grad(lambda *a, **k: calls.append(a)) as launch:
         backward(dataclasses.replace(base, wg_persistent=True))
-    finally:
-        db.weight_grad_triton = launch
     assert len(calls) == 2, len(calls)   # dW2, dW13
     best = {(v, i): float("inf") for v in args.variants for i in range(2)}
     dev_ms = dict(best)   # the launch's kernels' device time (profiler, no host time)

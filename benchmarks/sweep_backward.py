@@ -70,6 +70,7 @@ def variants(base):
         "wg ws s3 + rows ws dx128": r(base, wg_ws=True, wg_n=256, wg_stages=3, rows_ws=True,
                                       da_n=128, dx_n=128),
         "wg lpt": r(base, wg_persistent=True, wg_lpt=not base.wg_lpt),
+        "da half" if not base.da_half else "da float32": r(base, da_half=not base.da_half),
     }
 
 

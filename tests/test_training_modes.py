@@ -592,6 +592,37 @@ def test_backward_launcher_several_tiles(interpreter, monkeypatch, saved):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("routing", ["mixed", "skewed"])
+def test_backward_da_in_input_dtype(interpreter, monkeypatch, routing):
+    """BackwardConfig.da_half: the dA GEMM writes dO W2_e in the input dtype (float16 here)
+    instead of float32, and the elementwise pass reads it back as float32: the gradients stay
+    within the float16 bound of float64, with NaN-poisoned scratch."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch_backward as db
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    T, H, I, E, K = 21, 40, 37, 3, 2
+    args, g = _inputs(T, H, I, E, K, routing=routing, seed=seed, dtype=torch.float16)
+    go = torch.randn(T, H, generator=g).to(torch.float16)
+    cfg = dispatch_config(T, E, K, H, I, "cpu", torch.float16)
+    bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float16), da_half=True)
+    _, z = dispatch_triton(*args, save_z=True)
+    _poison_empty(monkeypatch)
+    outs = []   # the row GEMMs' outputs: dA, then the per-slot dx
+    run = db.rows_gemm_triton
+    monkeypatch.setattr(db, "rows_gemm_triton", lambda *a, **k: (outs.append(a[3].dtype), run(*a, **k))[1])
+    got = db.dispatch_backward_triton(go, *args, z=z, config=cfg, bwd_config=bc)
+    assert outs[0] == torch.float16, (seed, outs)
+    ref = dispatch_backward_reference(go.double(), *_double(args))
+    for name, a, err in zip(NAMES, got, grad_errors(got, ref, go, args)):
+        assert not a.isnan().any(), (seed, name)
+        assert err <= GRAD_TOL[torch.float16], (seed, name, err)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("T", [1, 13])
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 def test_dispatch_train_z_zero_for_slots_without_an_expert(interpreter, monkeypatch, T, ids_dtype):

@@ -52,7 +52,8 @@ def swiglu_grad_kernel(
         offs = i0 + tl.arange(0, BLOCK_I)
         i_mask = offs < I
         m = valid[:, None] & i_mask[None, :]
-        dA = tl.load(da_ptr + slots64[:, None] * stride_da + offs[None, :], mask=m, other=0.0)
+        dA = tl.load(da_ptr + slots64[:, None] * stride_da + offs[None, :], mask=m,
+                     other=0.0).to(tl.float32)
         z_ptrs = z_ptr + slots64[:, None] * stride_z + offs[None, :]
         g = tl.load(z_ptrs, mask=m, other=0.0).to(tl.float32)
         u = tl.load(z_ptrs + I, mask=m, other=0.0).to(tl.float32)

@@ -63,7 +63,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     if z is None:   # recompute: the forward's gate+up GEMM; z lives only during this call
         z = torch.empty(n_slots, 2 * I, dtype=dt, device=dev)
         gate_up_triton(hidden, w13, sa, al, cfg, n_slots, K, z=z, key=key and (key, "z"))
-    dA = torch.empty(n_slots, I, dtype=torch.float32, device=dev)
+    dA = torch.empty(n_slots, I, dtype=dt if bc.da_half else torch.float32, device=dev)
     rows_gemm_triton(gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), dA, al, I, H,
                      n_slots, K, bc.da_n, bc.da_k, bc.da_warps, stages, tma=bc.tma,
                      tma_a=bc.tma_a, half_tail=bc.half_tail, key=key and (key, "dA"),

@@ -316,6 +316,9 @@ class BackwardConfig:
     # persistent weight gradients: tiles of the experts with the most rows first, dealt in
     # snaking rounds where the routing is skewed (bitwise the same sums; on in the heuristics)
     wg_lpt: bool = False
+    # dA = dO W2_e stored in the input dtype (16-bit) instead of float32: half its write and
+    # its read by the elementwise pass, one more rounding of dA (NOTES.md entry 58)
+    da_half: bool = False
 
 
 def backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,

@@ -440,6 +440,26 @@ def test_experts_interface_trains():
             assert rel_err(p.grad, q.grad) < 1e-5, n
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_empty_batch(name):
+    """No tokens (T = 0): transformers' own blocks return an empty output; the patched router +
+    experts and the "moe_ops" experts implementation did reshape(0, -1) and raised."""
+    model = make_model(name)
+    hidden = model.config.hidden_size
+    blocks = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
+    x = torch.randn(2, 0, hidden)
+    with torch.no_grad():
+        ref = [b(x) for b in blocks]
+        apply_moe_ops(model)
+        out = [b(x) for b in blocks]
+        revert_moe_ops(model)
+        model.set_experts_implementation("moe_ops")
+        via_interface = [b(x) for b in blocks]
+    for r, o, v in zip(ref, out, via_interface):
+        r, o, v = (t[0] if isinstance(t, tuple) else t for t in (r, o, v))
+        assert o.shape == v.shape == r.shape == (2, 0, hidden)
+
+
 def test_from_pretrained_experts_implementation(tmp_path):
     model = make_model("mixtral")
     model.save_pretrained(tmp_path)

@@ -123,6 +123,13 @@ def check_experts_layout(experts: torch.nn.Module, where: str | None = None) -> 
             "first), down_proj [E, H, I], no biases and SiLU-gated (SwiGLU) experts.")
 
 
+def _per_token(t, T):
+    """[..., K] -> [T, K]. Not reshape(T, -1): with no tokens (an empty batch, T = 0) that
+    raises ("cannot reshape tensor of 0 elements"), where transformers' own experts return an
+    empty [0, H]. (A flat [T*K] still goes through reshape(T, -1).)"""
+    return t.reshape(T, t.shape[-1]) if t.dim() >= 2 else t.reshape(T, -1)
+
+
 def _dispatch_experts(self, hidden_states, top_k_index, top_k_weights):
     w13, w2 = self.gate_up_proj, self.down_proj
     shape = hidden_states.shape
@@ -130,8 +137,8 @@ def _dispatch_experts(self, hidden_states, top_k_index, top_k_weights):
     if x.dtype != w13.dtype:  # e.g. under autocast
         x = x.to(w13.dtype)
     T = x.shape[0]
-    ids = top_k_index.reshape(T, -1)
-    weights = top_k_weights.reshape(T, -1)
+    ids = _per_token(top_k_index, T)
+    weights = _per_token(top_k_weights, T)
     if weights.shape[1] != ids.shape[1] and weights.shape[1] == w13.shape[0]:
         # [T, E] dense routing weights (older DeepSeek-V2 style): pick the selected ones.
         weights = weights.gather(1, ids.long())

@@ -29,7 +29,7 @@ from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.ops.samples import make_dispatch_inputs
 from moe_ops.tuning.heuristics import DispatchConfig, heuristic_config, neighbours
 from moe_ops.tuning.shapes import SHAPES
-from moe_ops.tuning.tables import config_to_dict, write_table
+from moe_ops.tuning.tables import _load, config_to_dict, table_path, write_table
 
 
 def candidates(T, E, K, H, I, dtype, device_type, quick=False):
@@ -124,6 +124,13 @@ def main(argv=None):
         p.error("give --shapes and/or --shape H,I,E,K")
     device = cli_device(p, args.device)
     output_dir(p, "--out-dir", args.out_dir)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-interpreter"
+    try:   # a broken table there would fail the write, after every measurement was made
+        existing = table_path(name, args.out_dir)
+        if existing.is_file():
+            _load(str(existing))
+    except (ValueError, RuntimeError) as e:
+        p.error(str(e))
     dtype = getattr(torch, args.dtype)
     if device.type == "cpu":
         from moe_ops._runtime import interpret_enabled, require_interpreter
@@ -153,7 +160,6 @@ def main(argv=None):
         bar.close()
     import triton
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-interpreter"
     path = write_table(name, entries, args.out_dir, triton.__version__)
     print(f"wrote {path}")
 

@@ -122,6 +122,40 @@ def test_bad_tables_are_rejected(tmp_path):
         tables.validate_table({"version": 1, "entries": [bad]})
 
 
+@pytest.mark.parametrize("text", [
+    '{"version": 1, "entries": [',                                          # truncated write
+    '[]',                                                                     # not an object
+    '{"version": 1, "entries": [{"H": 1}]}',                                  # entry lacks keys
+    '{"version": 1, "entries": [{"H": 2048, "I": 768, "E": 128, "K": 8, "dtype": "bfloat16", '
+    '"configs": {"64": {"block_m": 16}}}]}',                                  # config lacks fields
+])
+def test_broken_table_error_names_the_file(tmp_path, text):
+    """Every moe.dispatch on a GPU with a table reads it: a broken one raised a bare
+    JSONDecodeError / TypeError ("__init__() missing 6 required positional arguments") that
+    named neither the file nor the fix."""
+    tables._load.cache_clear()
+    path = tables.table_path("Broken GPU", tmp_path)
+    path.write_text(text)
+    with pytest.raises(ValueError, match="Broken_GPU.json.*python -m moe_ops.tune"):
+        tables.lookup(64, 128, 8, 2048, 768, torch.bfloat16, "Broken GPU", tmp_path)
+    tables._load.cache_clear()
+
+
+def test_tune_refuses_a_broken_table_before_measuring(tmp_path, capsys):
+    """The CLI merges into the existing table: a broken one is reported up front (it failed the
+    write at the end, after every candidate had been timed)."""
+    from moe_ops import tune
+
+    tables._load.cache_clear()
+    tables.table_path("cpu-interpreter", tmp_path).write_text('{"version": 1, "entries": [')
+    with pytest.raises(SystemExit) as e:
+        tune.main(["--shape", "8,6,4,2", "--tokens", "1", "--device", "cpu", "--out-dir",
+                   str(tmp_path)])
+    assert e.value.code == 2
+    assert "cpu-interpreter.json" in capsys.readouterr().err
+    tables._load.cache_clear()
+
+
 def test_dispatch_config_memo_follows_table_writes(tmp_path, monkeypatch):
     """dispatch_config is memoised; writing a table (moe_ops.tune) must not leave a stale
     answer, nor may another tuning folder or device name reuse one."""

@@ -82,6 +82,11 @@ def config_from_dict(d: dict) -> DispatchConfig:
     unknown = set(d) - fields
     if unknown:
         raise ValueError(f"unknown DispatchConfig fields in tuned table: {sorted(unknown)}")
+    required = {f.name for f in dataclasses.fields(DispatchConfig)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    missing = required - set(d)
+    if missing:
+        raise ValueError(f"DispatchConfig fields missing in tuned table: {sorted(missing)}")
     return DispatchConfig(**d)
 
 
@@ -102,8 +107,17 @@ def _load(path: str) -> dict | None:
     p = Path(path)
     if not p.is_file():
         return None
-    table = json.loads(p.read_text())
-    validate_table(table)
+    # A table that does not parse would otherwise fail every moe.dispatch on this GPU with a
+    # bare JSONDecodeError / KeyError that names neither the file nor what to do.
+    try:
+        table = json.loads(p.read_text())
+        if not isinstance(table, dict):
+            raise ValueError(f"expected a JSON object, got {type(table).__name__}")
+        validate_table(table)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"moe_ops: the tuned table {p} is not a valid version-{FORMAT_VERSION} "
+                         f"table ({type(e).__name__}: {e}); delete it or re-run "
+                         "python -m moe_ops.tune to write a new one") from e
     return table
 
 

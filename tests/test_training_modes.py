@@ -237,6 +237,26 @@ def test_second_derivatives_raise_instead_of_reading_zero(path, mode, request):
                                  (logits,), eps=1e-3, atol=2e-3, rtol=1e-2)
 
 
+def test_torch_func_gradients_raise_naming_the_op(reference_path):
+    """torch.func.grad / vjp through the ops raised torch's "In order to use an
+    autograd.Function with functorch transforms ... it must override the setup_context
+    staticmethod", which names neither the op nor what to use instead; vmap alone still runs
+    (torch's batching fallback), with inputs that require grad too."""
+    args, kw = dispatch_samples()[1]
+    h, rest = args[0], args[1:]
+    f = lambda x: torch.ops.moe.dispatch(x, *rest, **kw).sum()  # noqa: E731
+    with pytest.raises(NotImplementedError, match="moe.dispatch: torch.func transforms"):
+        torch.func.grad(f)(h)
+    with pytest.raises(NotImplementedError, match="moe.dispatch: torch.func transforms"):
+        torch.func.vjp(f, h)
+    with pytest.raises(NotImplementedError, match="moe.route: torch.func transforms"):
+        torch.func.grad(lambda x: torch.ops.moe.route(x, 2)[0].sum())(torch.randn(3, 8))
+    w13 = rest[0].detach().requires_grad_(True)
+    out = torch.func.vmap(lambda x: torch.ops.moe.dispatch(x, w13, *rest[1:], **kw))(
+        h[None].expand(2, -1, -1))
+    torch.testing.assert_close(out[1], torch.ops.moe.dispatch(h, w13, *rest[1:], **kw))
+
+
 @pytest.mark.parametrize("sample", [0, 2, 4, 5])
 def test_opcheck_dispatch_requires_grad(reference_path, mode, sample):
     args, kw = dispatch_samples(requires_grad=True)[sample]

@@ -38,3 +38,16 @@ def reject_forward_ad(op: str, *tensors) -> None:
                 f"{op}: forward-mode AD (dual tensors, torch.autograd.forward_ad / "
                 "torch.autograd.functional.jvp) is not implemented; use reverse mode "
                 "(backward / torch.autograd.grad)")
+
+
+def reject_functorch(op: str) -> None:
+    """torch.func's reverse-mode transforms (grad, vjp, jacrev, hessian) run an
+    autograd.Function only through its setup_context, which the ops' Functions do not have
+    (their forward saves an intermediate, moe.dispatch's z): say so in the op's terms instead
+    of torch's "must override the setup_context staticmethod". Called only when a gradient is
+    needed (vmap alone runs the op through torch's batching fallback)."""
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            f"{op}: torch.func transforms of its gradient (torch.func.grad, vjp, jacrev, "
+            "hessian) are not implemented; use torch.autograd (loss.backward(), "
+            "torch.autograd.grad), with torch.func.functional_call for a functional call")

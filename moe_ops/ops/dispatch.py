@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from moe_ops._runtime import on_device, recompute_enabled, use_triton
-from moe_ops.ops._registry import _lib, define, reject_forward_ad
+from moe_ops.ops._registry import _lib, define, reject_forward_ad, reject_functorch
 from moe_ops.ops.checks import (check_dispatch, check_dispatch_backward, check_ids_in_range,
                                 check_tensor_args)
 from moe_ops.reference.dispatch import dispatch_backward_reference, dispatch_reference
@@ -204,6 +204,7 @@ def _dispatch_autograd(keyset, hidden, w13, w2, topk_weights, topk_ids, activati
     below = keyset & torch._C._after_autograd_keyset
     reject_forward_ad("moe.dispatch", hidden, w13, w2, topk_weights)
     if torch.is_grad_enabled() and torch._C._any_requires_grad(hidden, w13, w2, topk_weights):
+        reject_functorch("moe.dispatch")
         return _DispatchFunction.apply(hidden, w13, w2, topk_weights, topk_ids, activation, below)
     with torch._C._AutoDispatchBelowAutograd():
         return _DISPATCH_OP.redispatch(below, hidden, w13, w2, topk_weights, topk_ids, activation)

@@ -6,7 +6,7 @@ import numbers
 import torch
 
 from moe_ops._runtime import on_device, use_triton
-from moe_ops.ops._registry import _lib, define, reject_forward_ad
+from moe_ops.ops._registry import _lib, define, reject_forward_ad, reject_functorch
 from moe_ops.ops.checks import check_route, check_tensor_args
 from moe_ops.reference.routing import route_backward_reference, route_reference
 
@@ -80,6 +80,7 @@ def _route_autograd(keyset, router_logits, top_k, scoring="softmax", renormalize
     below = keyset & torch._C._after_autograd_keyset
     reject_forward_ad("moe.route", router_logits)
     if torch.is_grad_enabled() and router_logits.requires_grad:
+        reject_functorch("moe.route")
         return _RouteFunction.apply(router_logits, top_k, scoring, renormalize, bias, num_groups,
                                     topk_groups, scale, below)
     with torch._C._AutoDispatchBelowAutograd():

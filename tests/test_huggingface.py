@@ -608,3 +608,27 @@ def test_gpu_compile_patched_model():
         torch._dynamo.reset()
         out = torch.compile(model, fullgraph=True)(ids).logits.float()
     assert rel_err(out, ref) < BF16_TOL
+
+
+def test_experts_interface_dense_routing_weights():
+    """[T, E] dense routing weights (older DeepSeek-V2 style) are accepted by the "moe_ops"
+    experts function: the selected experts' weights are gathered by id, so the result equals
+    the call with the [T, K] weights (and transformers' own experts). Each token's ids are in
+    descending order, so taking the first K columns instead of gathering gives other weights."""
+    model = make_model("mixtral")
+    experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+    E, H = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[2]
+    T, K = 7, 2
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=g)
+    dense = torch.rand(T, E, generator=g) + 0.1
+    ids = torch.stack([torch.randperm(E, generator=g)[:K].sort(descending=True).values
+                       for _ in range(T)])
+    ids[0] = torch.tensor([E - 1, E - 2])    # (at least one row whose ids are not 0..K-1)
+    sparse = dense.gather(1, ids)
+    with torch.no_grad():
+        ref = experts(x, ids, sparse)
+        got_sparse = hf.moe_ops_experts_forward(experts, x, ids, sparse)
+        got_dense = hf.moe_ops_experts_forward(experts, x, ids, dense)
+    assert rel_err(got_sparse, ref) < 1e-5
+    assert rel_err(got_dense, ref) < 1e-5

@@ -262,6 +262,7 @@ def _bad(i, value):
     (_bad(4, torch.zeros(4, 2)), TypeError, "topk_ids must be int32 or int64"),
     (_bad(0, torch.randn(4, 8).long()), TypeError, "hidden must be bfloat16, float16 or float32"),
     (_bad(1, torch.randn(3, 12, 8).half()), TypeError, "w13 must have hidden's dtype"),
+    (_bad(2, torch.randn(3, 8, 6).half()), TypeError, "w2 must have hidden's dtype"),
     (_bad(3, torch.rand(4, 2).double()), TypeError, "topk_weights must be float32"),
 ])
 def test_errors(args, exc, match):

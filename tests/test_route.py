@@ -318,6 +318,8 @@ def test_opcheck_interpreter(interpreter):
     (lambda: torch.ops.moe.route(torch.randn(4, 8), 0), ValueError, "top_k must be in"),
     (lambda: torch.ops.moe.route(torch.randn(4, 8), 2, "relu"), ValueError, "scoring must be"),
     (lambda: torch.ops.moe.route(torch.randn(4, 8), 2, bias=torch.randn(7)), ValueError, "bias must have shape"),
+    (lambda: torch.ops.moe.route(torch.randn(4, 8), 2, bias=torch.arange(8)), TypeError,
+     "bias must be a float tensor"),
     (lambda: torch.ops.moe.route(torch.randn(4, 8), 2, num_groups=3), ValueError, "num_groups must"),
     (lambda: torch.ops.moe.route(torch.randn(4, 8), 2, num_groups=4, topk_groups=5), ValueError, "topk_groups must"),
     (lambda: torch.ops.moe.route(torch.randn(4, 8), 5, num_groups=4, topk_groups=2), ValueError, "exceeds"),

@@ -366,8 +366,9 @@ def _backward_config(fwd: DispatchConfig, device_type: str, dtype: torch.dtype,
     # 1.20); near-uniform DeepSeek-V3 26.59 -> 26.60, OLMoE 3.309 -> 3.324 (the ranking and the
     # per-chunk order load are skipped there by runtime branches), but Qwen3 2.847 -> 2.900 (a
     # second run, best of 10: 2.838 -> 2.871, zipf 3.043 -> 2.923): a +1.2-1.9% residue on
-    # near-uniform Qwen3, not located (not the ranking prologue: entry 57), against -3.9 to
-    # -5.7% where the routing is skewed.
+    # near-uniform Qwen3 in those runs, gone in entry 58's replicate (8 rounds: 2.853 -> 2.844
+    # eager, 2.893 -> 2.892 graph replay), i.e. run-to-run spread; against -3.9 to -5.7% where
+    # the routing is skewed.
     cfg = replace(cfg, wg_persistent=True, wg_stages=3, wg_lpt=True)
     # The warp-specialised persistent weight-gradient kernel (same tiles and sums, bitwise equal;
     # it applies where the output rows are a multiple of 128, else the kernels above run).

@@ -9,7 +9,8 @@ a = silu(g) * u, out_t += s * W2_e a:
   dx_t   = sum_k dz_tk W13_e
 hidden and grad_out are first gathered into aligned-row order (gather_rows_kernel, zero padding
   rows), so no GEMM below indexes rows through the slot table inside its reduction loop.
-dA: the forward's row GEMM (down_kernel) on the gathered dO and W2_e, float32 per slot.
+dA: the forward's row GEMM (down_kernel) on the gathered dO and W2_e, float32 per slot (the
+  input dtype with BackwardConfig.da_half, opt-in).
 swiglu_grad_kernel: from dA and z (saved by the forward, or recomputed by the forward's gate+up
   kernel) writes dz (gate and up halves) and s*a per row and ds per slot. (A fused version, the
   dA tile and the elementwise part in one kernel, reached 37% of its floor on Mixtral and was
@@ -32,7 +33,8 @@ def swiglu_grad_kernel(
     BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
     """The elementwise half of the split activation gradient, per aligned row (slot s of expert
-    e): from dA[slot] = dO_t W2_e (float32, the dA GEMM) and z[slot] = [g | u] it writes
+    e): from dA[slot] = dO_t W2_e (the dA GEMM: float32, or the input dtype, read as float32)
+    and z[slot] = [g | u] it writes
     dz[row] = [dg | du], sa[row] = s*a (zeros on padding rows) and d topk_weights[slot] =
     <dA, a>, summed over I in a fixed order (deterministic, no atomics)."""
     pid = tl.program_id(0)

@@ -6,8 +6,8 @@ elements per token, see dispatch_triton(save_z=True)) or recomputed here (the fo
 2/3 of the forward's flops, into a z scratch that lives only during this layer's backward: no
 activation memory is kept between forward and backward).
 Scratch during backward, per aligned row: hidden and grad_out gathered into row order [2H], dz
-[2I] + s*a [I] in the input dtype, dA [I] in float32 and the per-slot dx [H] in the input
-dtype."""
+[2I] + s*a [I] in the input dtype, dA [I] in float32 (in the input dtype with
+BackwardConfig.da_half) and the per-slot dx [H] in the input dtype."""
 from __future__ import annotations
 
 import torch

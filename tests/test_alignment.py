@@ -198,3 +198,23 @@ def test_alignment_exact_gpu(T, E, K, block_m, routing, variant, monkeypatch):
     *_, ids = make_dispatch_inputs(T, 1, 1, E, K, device="cuda", routing=routing, generator=g)
     _poison_allocator()
     _check(ids, E, block_m)
+
+
+@pytest.mark.parametrize("n_slots,kernels", [
+    (2048, ["count_kernel", "place_kernel"]),
+    (2049, ["count_kernel", "column_scan_kernel", "place_columns_kernel"])])
+def test_alignment_form_at_the_columns_threshold(interpreter, monkeypatch, n_slots, kernels):
+    """Default switches: the three-launch form (count, column scan, place) takes over where the
+    two-launch programs would each walk COLUMNS_MIN_CHUNKS (2) chunks or more. 256 experts:
+    chunks of 32 slots and at most 64 two-launch programs, so 2048 slots are 64 spans of one
+    chunk (two launches) and 2049 slots 33 spans of two chunks (three launches)."""
+    import moe_ops.launch.alignment as la
+
+    assert la.COLUMNS_MIN_CHUNKS == 2
+    names = []
+    spy_kernel_launches(monkeypatch, la, lambda kernel, grid, args, kwargs: names.append(
+        kernel.fn.__name__ if hasattr(kernel, "fn") else "?"))
+    ids = torch.randint(-1, 256, (n_slots, 1), dtype=torch.int32,
+                        generator=torch.Generator().manual_seed(n_slots))
+    _check(ids, 256, 16)
+    assert names == kernels, names

@@ -124,6 +124,11 @@ def test_nan_logits_rank_first_and_reach_the_weights(path, request):
     w, ids = torch.ops.moe.route(torch.tensor([[nan, 0.0, 3.0, 2.0]]), 1, "sigmoid", True,
                                  torch.tensor([0.0, -inf, 0.0, 0.0]), 2, 1)
     assert ids.tolist() == [[0]], ids
+    # ... and ties with a group of +inf score (the reference ranks its group scores with NaN
+    # as +inf, as the kernel): the lower index first, here the +inf group
+    w, ids = torch.ops.moe.route(torch.tensor([[0.0, 0.0, nan, 0.0]]), 1, "sigmoid", True,
+                                 torch.tensor([inf, 0.0, 0.0, -inf]), 2, 1)
+    assert ids.tolist() == [[0]], ids
     gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
     for T, E, K, kw in CASES:
         for with_bias in (False, True):

@@ -798,6 +798,55 @@ def test_half_tail_tiles(interpreter, monkeypatch, dtype):
 
 
 @needs_interpreter
+def test_half_tail_decides_on_the_middle_row(interpreter, monkeypatch):
+    """half_tail's test reads row block_m/2 of a block: the half-height tile runs exactly where
+    a block's valid rows fit its first half. Tail blocks of 17 valid rows of 32 (experts 0 and
+    1; the latter after a full block) run the full tile (a test on a later row would run the
+    half tile and drop row 16: its slot's output, z and dA/dx rows); 16 (expert 3) runs the
+    half tile. The tile heights are recorded per row block in every gate+up and down-kernel
+    launch (interpreter: the kernels' block functions are looked up at call time), forward and
+    backward (recompute, half tiles in dA and dx); NaN-poisoned scratch."""
+    import dataclasses
+
+    import moe_ops.kernels.expert_gemm as kg
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    T, H, I, E, K = 42, 16, 16, 4, 2
+    args, _ = _inputs(T, H, I, E, K, routing="uniform", seed=seed)
+    counts = {0: 17, 1: 49, 3: 16, -1: 2}   # expert 2 empty, 2 slots dropped
+    flat = torch.cat([torch.full((n,), e) for e, n in counts.items()])
+    ids = flat[torch.randperm(T * K, generator=g)].view(T, K).to(torch.int32)
+    args = (*args[:4], ids)
+    cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float32), block_m=32,
+                              half_tail=True, direct=False)
+    bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float32), half_tail=True)
+    heights = {"gate_up_block": set(), "down_block": set()}
+    for name, pid_arg, tile_arg in (("gate_up_block", 5, -1), ("down_block", 6, -3)):
+        def block(*a, _run=getattr(kg, name), _seen=heights[name], _pid=pid_arg, _tile=tile_arg):
+            pid_m = a[_pid]
+            _seen.add((int(pid_m.handle.data.item()) if hasattr(pid_m, "handle") else int(pid_m),
+                       int(a[_tile])))
+            return _run(*a)
+        monkeypatch.setattr(kg, name, block)
+    go = torch.randn(T, H, generator=g)
+    _poison_empty(monkeypatch)
+    out, z = dispatch_triton(*args, config=cfg, save_z=True)
+    grads = dispatch_backward_triton(go, *args, z=None, config=cfg, bwd_config=bc)
+    monkeypatch.undo()
+    expected = {(0, 32), (1, 32), (2, 32), (3, 16)}   # blocks: e0 17, e1 32 and 17, e3 16
+    assert heights == {"gate_up_block": expected, "down_block": expected}, (seed, heights)
+    assert rel_err(out, _dense_float64(*_double(args))) <= RTOL[torch.float32], seed
+    assert _z_err(z, args) <= RTOL[torch.float32], seed
+    ref = dispatch_backward_reference(go.double(), *_double(args))
+    for name, err in zip(NAMES, grad_errors(grads, ref, go, args)):
+        assert err <= GRAD_TOL[torch.float32], (seed, name, err)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("routing", ["uniform", "negative", "mixed"])
 @pytest.mark.parametrize("K,H,block_n", [(1, 24, 16), (2, 70, 32), (8, 33, 16), (5, 16, 16)])
 def test_combine_last_one_token(interpreter, monkeypatch, routing, K, H, block_n):

@@ -1409,3 +1409,49 @@ def test_backward_without_experts_is_zero(path, request):
     (out * torch.randn(5, 8)).sum().backward()
     assert torch.equal(h.grad, torch.zeros(5, 8))
     assert w13.grad.shape == w13.shape and w2.grad.shape == w2.shape and tw.grad.shape == (5, 0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("persistent,dtype", [(False, torch.float32), (True, torch.float16)])
+def test_weight_grads_stop_after_the_valid_rows(interpreter, persistent, dtype):
+    """BackwardConfig.wg_trim: an expert's weight-gradient sum stops at the first BLOCK_K step
+    past its valid rows; the padding rows after that step are never read. Here they are NaN
+    (the rows before, up to the step's end, are zero as in the backward), so a sum over every
+    padded row shows. Expert counts 5 (one 16-row step of its 32), 21 (two), 40 and 0."""
+    import dataclasses
+
+    from moe_ops.launch.alignment import align_triton
+    from moe_ops.launch.dispatch import _dot_precision
+    from moe_ops.launch.dispatch_backward import weight_grad_triton
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    E, M, N = 4, 24, 40
+    counts = {0: 5, 1: 21, 3: 40}
+    ids = torch.cat([torch.full((n,), e) for e, n in counts.items()])
+    ids = ids[torch.randperm(ids.numel(), generator=g)].view(-1, 1).to(torch.int32)
+    al = align_triton(ids, E, 32)
+    cfg = dispatch_config(ids.shape[0], E, 1, M, N, "cpu", dtype)
+    bc = dataclasses.replace(backward_config(cfg, "cpu", dtype), wg_persistent=persistent)
+    bk = min(bc.wg_k, al.block_m)
+    assert bk == 16
+    left = torch.full((al.max_rows, M), float("nan"), dtype=dtype)
+    right = torch.full((al.max_rows, N), float("nan"), dtype=dtype)
+    ref = torch.zeros(E, M, N, dtype=torch.float64)
+    ends, valid_ends = al.expert_ends.tolist(), al.valid_ends.tolist()
+    poisoned = 0
+    for e in range(E):
+        start, valid_end = (ends[e - 1] if e else 0), valid_ends[e]
+        step_end = start + -(-(valid_end - start) // bk) * bk
+        left[start:step_end] = 0
+        right[start:step_end] = 0
+        left[start:valid_end] = torch.randn(valid_end - start, M, generator=g).to(dtype)
+        right[start:valid_end] = torch.randn(valid_end - start, N, generator=g).to(dtype)
+        poisoned += ends[e] - step_end
+        ref[e] = left[start:valid_end].double().t() @ right[start:valid_end].double()
+    assert poisoned == 16 + 16, poisoned   # experts 0 and 3: a whole step past the valid rows
+    out = torch.full((E, M, N), float("nan"), dtype=dtype)
+    weight_grad_triton(left, right, out, al, bc, _dot_precision(dtype))
+    assert rel_err(out, ref) <= RTOL[dtype], seed
+    assert torch.equal(out[2], torch.zeros_like(out[2])), seed

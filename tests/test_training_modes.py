@@ -1455,3 +1455,65 @@ def test_weight_grads_stop_after_the_valid_rows(interpreter, persistent, dtype):
     weight_grad_triton(left, right, out, al, bc, _dot_precision(dtype))
     assert rel_err(out, ref) <= RTOL[dtype], seed
     assert torch.equal(out[2], torch.zeros_like(out[2])), seed
+
+
+@needs_interpreter
+@pytest.mark.parametrize("routing", ["skewed", "balanced"])
+def test_persistent_weight_grads_lpt_deal(interpreter, routing, monkeypatch):
+    """The LPT deal itself, as each program walks it: tiles in the experts' LPT order (expert,
+    output row block, column block), in rounds of NUM_PROGRAMS; where skewed, program p takes
+    position p of even rounds and NUM_PROGRAMS-1-p of odd ones (the snake), else tile
+    p + r*NUM_PROGRAMS. Recorded from every tile store of both weight-gradient launches
+    (interpreter: the kernel's store helper is looked up at call time); each tile is stored
+    once, by the program the deal gives it."""
+    import dataclasses
+
+    import moe_ops.kernels.expert_gemm_backward as kb
+    import moe_ops.launch.dispatch_backward as db
+    import triton.language as tl
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    T, H, I, E, K = 40, 32, 24, 12, 3
+    args, g = _inputs(T, H, I, E, K, routing="uniform" if routing == "balanced" else routing,
+                      seed=seed, dtype=torch.float16)
+    if routing == "balanced":   # every expert 10 rows: the fixed deal
+        args = (*args[:4], (torch.arange(T * K) % E).reshape(T, K).to(args[4].dtype))
+    go = torch.randn(T, H, generator=g).to(torch.float16)
+    cfg = dispatch_config(T, E, K, H, I, "cpu", torch.float16)
+    bc = dataclasses.replace(backward_config(cfg, "cpu", torch.float16), wg_persistent=True,
+                             wg_chunk=2, wg_lpt=True)
+    stores, launches = [], []
+
+    def scalar(v):
+        return int(v.handle.data.item()) if hasattr(v, "handle") else int(v)
+
+    def store_slice(o_desc, x, e, m0, n0, ROWS, COLS, _run=kb._store_slice):
+        stores.append((scalar(tl.program_id(0)), scalar(e), scalar(m0), scalar(n0)))
+        return _run(o_desc, x, e, m0, n0, ROWS, COLS)
+
+    def record(kernel, grid, a, kw):
+        if kw.get("LPT"):
+            launches.append((a[4], a[5], kw["BLOCK_M"], kw["BLOCK_N"], kw["NUM_PROGRAMS"],
+                             list(stores)))
+            stores.clear()
+
+    monkeypatch.setattr(kb, "_store_slice", store_slice)
+    spy_kernel_launches(monkeypatch, db, record)
+    db.dispatch_backward_triton(go, *args, config=cfg, bwd_config=bc)
+    monkeypatch.undo()
+    assert len(launches) == 2, (seed, len(launches))   # dW2, dW13
+    counts, skewed = expert_counts_skewed(args[4], E, db.LPT_MIN_SKEW)
+    assert skewed == (routing == "skewed"), (seed, counts)
+    order = sorted(range(E), key=lambda e: (-counts[e], e)) if skewed else list(range(E))
+    for M, N, block_m, block_n, programs, got in launches:
+        n_m, n_n = -(-M // block_m), -(-N // block_n)
+        per_e = n_m * n_n
+        assert programs > 1 and E * per_e > 2 * programs, (programs, E * per_e)
+        expected = []
+        for t in range(E * per_e):
+            rnd, q = divmod(t, programs)
+            p = programs - 1 - q if skewed and rnd % 2 else q
+            rem = t % per_e
+            expected.append((p, order[t // per_e], rem // n_n * block_m, rem % n_n * block_n))
+        assert sorted(got) == sorted(expected), (seed, routing, M, N)

@@ -1517,3 +1517,27 @@ def test_persistent_weight_grads_lpt_deal(interpreter, routing, monkeypatch):
             rem = t % per_e
             expected.append((p, order[t // per_e], rem // n_n * block_m, rem % n_n * block_n))
         assert sorted(got) == sorted(expected), (seed, routing, M, N)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("T,K,direct", [(64, 4, True), (257, 1, False)])
+def test_direct_rows_up_to_max_slots(interpreter, monkeypatch, T, K, direct):
+    """DispatchConfig.direct at T > 1: direct rows (no alignment launch) for up to
+    DIRECT_MAX_SLOTS (256) slots with contiguous ids; one slot more takes the alignment. Both
+    match float64."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch as ld
+    from moe_ops.tuning.heuristics import dispatch_config
+
+    assert ld.DIRECT_MAX_SLOTS == 256
+    seed = fresh_seed()
+    H, I, E = 16, 16, 8
+    args, _ = _inputs(T, H, I, E, K, routing="mixed", seed=seed)
+    aligned = []
+    real = ld.align_triton
+    monkeypatch.setattr(ld, "align_triton", lambda *a, **kw: aligned.append(a) or real(*a, **kw))
+    cfg = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float32), direct=True)
+    out = ld.dispatch_triton(*args, config=cfg)
+    assert len(aligned) == (0 if direct else 1), (seed, T, K, len(aligned))
+    assert rel_err(out, _dense_float64(*_double(args))) <= RTOL[torch.float32], seed

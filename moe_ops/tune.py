@@ -29,7 +29,7 @@ from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.ops.samples import make_dispatch_inputs
 from moe_ops.tuning.heuristics import DispatchConfig, heuristic_config, neighbours
 from moe_ops.tuning.shapes import SHAPES
-from moe_ops.tuning.tables import _load, config_to_dict, table_path, write_table
+from moe_ops.tuning.tables import config_to_dict, read_table, write_table
 
 
 def candidates(T, E, K, H, I, dtype, device_type, quick=False):
@@ -126,9 +126,7 @@ def main(argv=None):
     output_dir(p, "--out-dir", args.out_dir)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-interpreter"
     try:   # a broken table there would fail the write, after every measurement was made
-        existing = table_path(name, args.out_dir)
-        if existing.is_file():
-            _load(str(existing))
+        read_table(name, args.out_dir)
     except (ValueError, RuntimeError) as e:
         p.error(str(e))
     dtype = getattr(torch, args.dtype)

@@ -141,10 +141,16 @@ def lookup(T: int, E: int, K: int, H: int, I: int, dtype: torch.dtype, device_na
     return None
 
 
+def read_table(device_name: str, directory=None) -> dict | None:
+    """The device's table where table_path puts it, validated; None where there
+    is none. A broken one raises the ValueError of _load."""
+    return _load(str(table_path(device_name, directory)))
+
+
 def write_table(device_name: str, entries: list[dict], directory=None, triton_version=None) -> Path:
     """Merges `entries` into the device's table (same shape and dtype: token counts updated)."""
     path = table_path(device_name, directory)
-    table = _load(str(path)) if path.is_file() else None
+    table = read_table(device_name, directory)
     table = json.loads(json.dumps(table)) if table else {
         "version": FORMAT_VERSION, "device": device_name, "triton": triton_version, "entries": []}
     for new in entries:

@@ -797,6 +797,12 @@ def test_half_tail_tiles(interpreter, monkeypatch, dtype):
             assert_equal_across_tile_heights(a, b, (seed, ht), dtype)
 
 
+def _interpreted_int(v) -> int:
+    """A scalar seen inside an interpreted kernel (a tensor wrapper around a numpy handle, or a
+    plain int) as a Python int."""
+    return int(v.handle.data.item()) if hasattr(v, "handle") else int(v)
+
+
 @needs_interpreter
 def test_half_tail_decides_on_the_middle_row(interpreter, monkeypatch):
     """half_tail's test reads row block_m/2 of a block: the half-height tile runs exactly where
@@ -828,8 +834,7 @@ def test_half_tail_decides_on_the_middle_row(interpreter, monkeypatch):
     for name, pid_arg, tile_arg in (("gate_up_block", 5, -1), ("down_block", 6, -3)):
         def block(*a, _run=getattr(kg, name), _seen=heights[name], _pid=pid_arg, _tile=tile_arg):
             pid_m = a[_pid]
-            _seen.add((int(pid_m.handle.data.item()) if hasattr(pid_m, "handle") else int(pid_m),
-                       int(a[_tile])))
+            _seen.add((_interpreted_int(pid_m), int(a[_tile])))
             return _run(*a)
         monkeypatch.setattr(kg, name, block)
     go = torch.randn(T, H, generator=g)
@@ -1485,11 +1490,8 @@ def test_persistent_weight_grads_lpt_deal(interpreter, routing, monkeypatch):
                              wg_chunk=2, wg_lpt=True)
     stores, launches = [], []
 
-    def scalar(v):
-        return int(v.handle.data.item()) if hasattr(v, "handle") else int(v)
-
     def store_slice(o_desc, x, e, m0, n0, ROWS, COLS, _run=kb._store_slice):
-        stores.append((scalar(tl.program_id(0)), scalar(e), scalar(m0), scalar(n0)))
+        stores.append(tuple(map(_interpreted_int, (tl.program_id(0), e, m0, n0))))
         return _run(o_desc, x, e, m0, n0, ROWS, COLS)
 
     def record(kernel, grid, a, kw):

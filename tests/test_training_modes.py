@@ -884,57 +884,6 @@ def test_combine_last_one_token(interpreter, monkeypatch, routing, K, H, block_n
 
 
 @needs_interpreter
-@pytest.mark.parametrize("routing", ["uniform", "mixed", "one_expert", "dead_tokens"])
-@pytest.mark.parametrize("T,K,H,direct", [(5, 2, 70, False), (3, 4, 33, True), (9, 3, 16, False),
-                                          (4, 1, 24, False)])
-def test_combine_last_tokens(interpreter, monkeypatch, routing, T, K, H, direct):
-    """DispatchConfig.combine_last at T > 1, aligned rows and direct rows: the down program that
-    completes a token's valid slots for an H tile sums that token's rows (a counter per token
-    and tile, zeroed by gate_up, which also writes the zero rows of tokens without a valid id).
-    Bitwise equal to the separate combine kernel and within float32 rounding of float64, with
-    NaN-poisoned floats and poisoned integer scratch (counters that were not zeroed would show),
-    dropped ids, whole tokens dropped, duplicate ids within a token, all rows on one expert,
-    several H tiles; two calls in a row."""
-    import dataclasses
-
-    from moe_ops.launch.dispatch import dispatch_triton
-    from moe_ops.tuning.heuristics import dispatch_config
-
-    seed = fresh_seed()
-    E, I = 6, 19
-    args, g = _inputs(T, H, I, E, K, routing="mixed" if routing == "dead_tokens" else routing,
-                      seed=seed)
-    if routing == "dead_tokens":
-        ids = args[4]
-        ids[1] = -1                       # a token with no valid id: its row is zeros
-        ids[-1] = torch.arange(K) % 2     # duplicate ids within a token (K > 2)
-        ids[-1, -1] = E                   # out of range: dropped
-    base = dataclasses.replace(dispatch_config(T, E, K, H, I, "cpu", torch.float32),
-                               direct=direct, block_n2=16)
-    ref = _dense_float64(*_double(args))
-    real = torch.empty
-
-    def empty(*a, **kw):
-        t = real(*a, **kw)
-        t.fill_(float("nan") if t.is_floating_point() else 7)
-        return t
-
-    got = {}
-    for cl in (False, True, True):
-        monkeypatch.setattr(torch, "empty", empty)
-        out = torch.full((T, H), float("nan"))
-        dispatch_triton(*args, config=dataclasses.replace(base, combine_last=cl), out=out)
-        monkeypatch.undo()
-        assert rel_err(out, ref) <= 1e-5, (seed, cl)
-        if cl in got:
-            assert torch.equal(out, got[cl]), seed
-        got[cl] = out
-    assert torch.equal(got[True], got[False]), seed
-    if routing == "dead_tokens":
-        assert torch.equal(got[True][1], torch.zeros(H)), seed
-
-
-@needs_interpreter
 @pytest.mark.parametrize("routing", ["uniform", "negative"])
 @pytest.mark.parametrize("K,H,I,block_n,block_k,dtype", [   # (dtypes alternate: CI time)
     (1, 24, 40, 16, 32, torch.float32), (2, 17, 11, 16, 16, torch.float16),

@@ -137,20 +137,16 @@ def gate_up_kernel(
     DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr = False, w_desc=None,
     USE_TMA: tl.constexpr = False, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False, TMA_PAIR: tl.constexpr = False,
-    HALF_TAIL: tl.constexpr = False, counters_ptr=None, n_tiles=0, cids_ptr=None,
-    stride_cit=0, stride_cik=0, out_ptr=None, stride_ot=0, stride_oh=0, n_tokens=0,
-    COMBINE_K: tl.constexpr = 0, COMBINE_KP: tl.constexpr = 1, TILES_P: tl.constexpr = 1,
+    HALF_TAIL: tl.constexpr = False, counters_ptr=None, n_counters=0,
+    BLOCK_C: tl.constexpr = 0,
 ):
-    """COMBINE_K = K > 0: the down kernel combines (down_kernel's COMBINE_K); this kernel
-    prepares it after the PDL wait (the buffers may be memory the kernel before still used):
-    see combine_prologue."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
-    if COMBINE_K > 0:
-        combine_prologue(counters_ptr, n_tiles, cids_ptr, stride_cit, stride_cik, out_ptr,
-                         stride_ot, stride_oh, n_tokens, H, n_experts, COMBINE_K, COMBINE_KP,
-                         TILES_P)
+    if BLOCK_C > 0:   # the down kernel's combine counters (T == 1), zeroed after the wait
+        if tl.program_id(0) == 0:
+            offs_c = tl.arange(0, BLOCK_C)
+            tl.store(counters_ptr + offs_c, tl.zeros((BLOCK_C,), tl.int32), mask=offs_c < n_counters)
     if not DIRECT:
         num_rows = tl.load(num_rows_ptr)
         if pid_m * BLOCK_M >= num_rows:
@@ -218,8 +214,7 @@ def down_kernel(
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, out_ptr=None, stride_oh=0,
     COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False, a_desc=None, a_desc_half=None,
-    A_TMA: tl.constexpr = False, cids_ptr=None, stride_cit=0, stride_cik=0, stride_ot=0,
-    COMBINE_KP: tl.constexpr = 1,
+    A_TMA: tl.constexpr = False,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
@@ -229,9 +224,11 @@ def down_kernel(
     tails) instead of masked pointer loads. Unmasked: padding rows may hold anything, but a
     product's output row depends on its own A row alone and those rows are never stored;
     columns past K and rows past the end read zeros.
-    COMBINE_K = K > 0: the combine happens here (combine_rows), no combine launch: every
-    program stores its slots' rows, counts each of them in its token's counter for this H tile,
-    and the program that counts a token's last valid slot sums that token's rows."""
+    COMBINE_K = K > 0 (T == 1 with direct rows): the combine happens here. Each of the K
+    programs of an H tile stores its slot's row, then counts itself in counters[pid_n] (zeroed by
+    this call's gate_up kernel); the one that counts last sums the K rows in order 0..K-1 in
+    float32 into out, exactly as combine_kernel does (bitwise the same result, whichever program
+    is last)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
@@ -254,81 +251,34 @@ def down_kernel(
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
                    n_experts, DIRECT, USE_PDL, BLOCK_M, a_desc, A_TMA)
     if COMBINE_K > 0:
-        e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots,
-                                              ids_ptr, stride_ik, n_experts, BLOCK_M, DIRECT,
-                                              BLOCK_M)
-        combine_rows(y_ptr, cids_ptr, stride_cit, stride_cik, counters_ptr, out_ptr, stride_ot,
-                     stride_oh, slots, row_valid, pid_n, H, n_experts, stride_ym, BLOCK_M,
-                     BLOCK_N, COMBINE_K, COMBINE_KP, FENCE)
+        combine_last(y_ptr, ids_ptr, counters_ptr, out_ptr, pid_n, H, n_experts, stride_ik,
+                     stride_ym, stride_oh, BLOCK_N, COMBINE_K, FENCE)
 
 
 @triton.jit
-def combine_prologue(counters_ptr, n_tiles, ids_ptr, stride_it, stride_ik, out_ptr, stride_ot,
-                     stride_oh, T, H, E, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
-                     TILES_P: tl.constexpr):
-    """Before the down kernel's combine_rows: program p (of P) zeroes the counters ([T, n_tiles]
-    int32) of tokens p, p + P, ... and writes the zero output rows of those of them that have no
-    valid id (every id < 0 or >= E): no down program sees such a token. Decode grids have more
-    programs than tokens: one token or none per program."""
-    tiles = tl.arange(0, TILES_P)
-    ks = tl.arange(0, TOP_K_P)
-    cols = tl.arange(0, 256)
-    for t in range(tl.program_id(0), T, tl.num_programs(0)):
-        t64 = tl.cast(t, tl.int64)
-        tl.store(counters_ptr + t64 * n_tiles + tiles, tl.zeros((TILES_P,), tl.int32),
-                 mask=tiles < n_tiles)
-        _, valid = load_ids(ids_ptr + t64 * stride_it + ks * stride_ik, ks < TOP_K, E)
-        if tl.sum(valid.to(tl.int32), axis=0) == 0:
-            for h0 in range(0, H, 256):
-                tl.store(out_ptr + t64 * stride_ot + (h0 + cols) * stride_oh,
-                         tl.zeros((256,), out_ptr.dtype.element_ty), mask=h0 + cols < H)
-
-
-@triton.jit
-def combine_rows(y_ptr, ids_ptr, stride_it, stride_ik, counters_ptr, out_ptr, stride_ot,
-                 stride_oh, slots, row_valid, pid_n, H, E, stride_ym, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
-                 FENCE: tl.constexpr):
-    """The combine of down_kernel's COMBINE_K: out[t] = sum over k in order 0..K-1 of y[t*K + k]
-    for t's valid ids, in float32, as combine_kernel computes it (bitwise the same, whichever
-    program comes last). This program's valid rows (`slots`) are stored; each counts itself in
-    counters[t, pid_n] (zeroed by the gate_up kernel: combine_prologue), and the row whose count
-    completes token t's valid slots sums t's rows for this H tile. Every thread fences its row
-    stores at GPU scope (FENCE: compiled code; the interpreter runs programs one after another)
-    and a barrier orders them before the counts (acq_rel atomics at GPU scope); after the counts
-    a fence and a barrier again, and the rows of other programs are read through L2 (.cg), never
-    from a stale L1 line."""
+def combine_last(y_ptr, ids_ptr, counters_ptr, out_ptr, pid_n, H, n_experts, stride_ik, stride_ym,
+                 stride_oh, BLOCK_N: tl.constexpr, TOP_K: tl.constexpr, FENCE: tl.constexpr):
+    """The single token's combine for H tile pid_n, done by the last of its TOP_K down programs.
+    Every thread fences its row stores at GPU scope (FENCE: compiled code; the interpreter runs
+    programs one after another), the barrier orders them before the count (one acq_rel atomic at
+    GPU scope), and the last program reads the rows through L2 (.cg), never a stale L1 line."""
     if FENCE:
-        _fence_gpu()
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r",
+                                  [tl.full((1,), 0, tl.int32)], dtype=tl.int32, is_pure=False,
+                                  pack=1)
     tl.debug_barrier()
-    tok = tl.where(row_valid, slots // TOP_K, 0).to(tl.int64)
-    n_tiles = tl.cdiv(H, BLOCK_N)
-    seen = tl.atomic_add(counters_ptr + tok * n_tiles + pid_n, 1, mask=row_valid, sem="acq_rel",
-                         scope="gpu")
-    ks = tl.arange(0, TOP_K_P)
-    ids, valid = load_ids(ids_ptr + tok[:, None] * stride_it + ks[None, :] * stride_ik,
-                          row_valid[:, None] & (ks < TOP_K)[None, :], E)
-    last = row_valid & (seen == tl.sum(valid.to(tl.int32), axis=1) - 1)
-    if FENCE:
-        _fence_gpu()
-    tl.debug_barrier()
-    if tl.max(last.to(tl.int32), axis=0) > 0:
+    seen = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if seen == TOP_K - 1:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < H
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc = tl.zeros((BLOCK_N,), tl.float32)
         for k in tl.static_range(TOP_K):
-            on = last & (tl.sum(tl.where((ks == k)[None, :] & valid, 1, 0), axis=1) > 0)
-            y = tl.load(y_ptr + (tok * TOP_K + k)[:, None] * stride_ym + offs_n[None, :],
-                        mask=on[:, None] & n_mask[None, :], other=0.0, cache_modifier=".cg")
+            e = tl.load(ids_ptr + k * stride_ik + offs_n * 0)   # slot k's id, per column
+            valid = n_mask & (e >= 0) & (e < n_experts)
+            y = tl.load(y_ptr + k * stride_ym + offs_n, mask=valid, other=0.0,
+                        cache_modifier=".cg")
             acc += y.to(tl.float32)
-        tl.store(out_ptr + tok[:, None] * stride_ot + offs_n[None, :] * stride_oh,
-                 acc.to(out_ptr.dtype.element_ty), mask=last[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _fence_gpu():
-    tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r",
-                              [tl.full((1,), 0, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(out_ptr + offs_n * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit

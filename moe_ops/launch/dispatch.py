@@ -61,14 +61,12 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
         if save_z:
             zero_dropped_z_triton(z, topk_ids, E, key=key)
         return (out, z) if save_z else out
-    # combine_last: the down kernel combines (the program that completes a token's slots for an
-    # H tile sums its rows), with a counter per (token, H tile) that this call's gate_up kernel
-    # zeroes: no combine launch.
-    comb = None
-    if cfg.combine_last and K <= 32:
-        comb = FoldedCombine(torch.empty(T, cdiv(H, cfg.block_n2), dtype=torch.int32, device=dev),
-                             out, topk_ids)
-    gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl, combine=comb,
+    # One token, combine_last: the down kernel's last program per H tile does the combine, with
+    # counters that this call's gate_up kernel zeroes (no combine launch).
+    counters = None
+    if direct and T == 1 and cfg.combine_last and K <= 32:
+        counters = torch.empty(cdiv(H, cfg.block_n2), dtype=torch.int32, device=dev)
+    gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl, counters=counters,
                    key=key)
     # Per-slot expert outputs (routing weight applied, rounded once to the input dtype, as vLLM
     # does; float32 for float32 inputs); the combine sums them in float32 in a fixed order.
@@ -77,8 +75,9 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
                      cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, group_m,
                      weights=topk_weights, tma=cfg.tma, tma_a=cfg.tma_a, pdl=cfg.pdl,
                      half_tail=cfg.half_tail,
-                     combine=comb, key=key, ws=cfg.down_ws)
-    if comb is None:
+                     combine=None if counters is None else (counters, out, topk_ids), key=key,
+                     ws=cfg.down_ws)
+    if counters is None:
         combine_triton(y, topk_ids, out, E, pdl=cfg.pdl, key=key)
     if save_z:
         zero_dropped_z_triton(z, topk_ids, E, key=key)
@@ -100,14 +99,12 @@ def zero_dropped_z_triton(z, topk_ids, num_experts, key=None):
     )
 
 
-def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False, combine=None,
+def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False, counters=None,
                    key=None):
     """act[row] = SwiGLU(W13_e x_t) over the aligned rows (gathering token rows through the slot
-    table); with `z` ([T*K, 2I]) also the pre-activation per slot. `combine` (a FoldedCombine):
-    its counters zeroed and the output rows of tokens without a valid id written as zeros, for
-    the down kernel's folded combine (after the PDL wait: the buffers may be memory that the
-    kernel before was still using). `key`: dispatch_triton's launch key (fast launch), or
-    None."""
+    table); with `z` ([T*K, 2I]) also the pre-activation per slot. `counters` (int32): zeroed
+    for the down kernel's combine_last (after the PDL wait: the buffer may be memory that the
+    kernel before was still using). `key`: dispatch_triton's launch key (fast launch), or None."""
     H = hidden.shape[1]
     I = act.shape[1]
     n_blocks = al.max_rows // cfg.block_m
@@ -120,12 +117,11 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
         pair = w_desc is not None
     if cfg.tma and w_desc is None:
         w_desc = weight_desc(w13, [1, cfg.block_n1, cfg.block_k1])
-    direct = _direct_args(al)
-    cnt = {} if combine is None else dict(
-        combine.args(), n_tiles=combine.counters.shape[1], n_tokens=combine.out.shape[0],
-        TILES_P=next_pow2(combine.counters.shape[1]))
+    direct = _direct_args(al, w13.shape[0])
+    cnt = {} if counters is None else dict(counters_ptr=counters, n_counters=counters.numel(),
+                                           BLOCK_C=next_pow2(counters.numel()))
     fk = launch_key(key and (key, "gate_up"), act, al.sorted_slots, al.block_expert, al.num_rows,
-                    z, combine and combine.counters)
+                    z, counters)
     kernel_for(gate_up_kernel, hidden.device, fk)[(n_blocks * cdiv(I, cfg.block_n1),)](
         hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, top_k,
@@ -134,8 +130,7 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
         GROUP_M=_group_m(cfg, al),
         DOT_PRECISION=_dot_precision(hidden.dtype), SAVE_Z=z is not None,
-        w_desc=w_desc, USE_TMA=w_desc is not None, TMA_PAIR=pair, n_experts=w13.shape[0],
-        **direct,
+        w_desc=w_desc, USE_TMA=w_desc is not None, TMA_PAIR=pair, **direct,
         HALF_TAIL=_half_tail(cfg.half_tail, al), **cnt,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_args(pdl, hidden.device),
     )
@@ -151,9 +146,8 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     tiles come through a tensor descriptor of `w` when its layout allows one ([E, N, K] or
     [E, K, N] storage with 16-byte aligned rows); with `tma_a`, so do the A tiles (`a` with
     16-byte aligned rows; a_tile_descs). `half_tail`: tail row blocks with at most
-    block_m/2 valid rows run a half-height tile. `combine` (a FoldedCombine, whose counters
-    gate_up_triton prepared): the program that completes a token's rows for an N tile also sums
-    them into out ([T, N]). `ws`: the
+    block_m/2 valid rows run a half-height tile. `combine` = (counters, out, topk_ids), direct
+    rows only: the last program per N tile also sums the K rows into out ([1, N]). `ws`: the
     persistent warp-specialised kernel where it applies (_rows_gemm_ws; `pdl`, `half_tail` and
     `num_warps` do not apply to it)."""
     if ws and combine is None and _rows_gemm_ws(a, w, w_strides, y, al, N, K_red, n_slots, top_k,
@@ -171,10 +165,16 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         layout = 0
     half = _half_tail(half_tail, al)
     a_descs = a_tile_descs(a, bm, block_k, half) if tma_a else None
-    direct = _direct_args(al)
-    comb = {} if combine is None else dict(combine.args(), FENCE=_compiled_code(a.device))
+    direct = _direct_args(al, w.shape[0])
+    comb = {}
+    if combine is not None:
+        if not direct:
+            raise ValueError("the folded combine needs direct rows (T == 1)")
+        counters, out, ids = combine
+        comb = dict(counters_ptr=counters, out_ptr=out, stride_oh=out.stride(1),
+                    COMBINE_K=ids.shape[1], FENCE=_compiled_code(a.device))
     fk = launch_key(key and (key, "down"), a, y, al.sorted_slots, al.block_expert, al.num_rows,
-                    combine and combine.counters)
+                    comb.get("counters_ptr"))
     kernel_for(down_kernel, a.device, fk)[(n_blocks * cdiv(N, block_n),)](
         a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, N, K_red, top_k,
@@ -182,7 +182,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         tw.stride(0), tw.stride(1), y.stride(0), n_blocks, N,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
-        w_desc=w_desc, TMA_LAYOUT=layout, n_experts=w.shape[0], **direct, HALF_TAIL=half,
+        w_desc=w_desc, TMA_LAYOUT=layout, **direct, HALF_TAIL=half,
         **comb, **({} if a_descs is None else dict(a_desc=a_descs[0], a_desc_half=a_descs[1],
                                                     A_TMA=True)),
         num_warps=num_warps, num_stages=num_stages, **_pdl_args(pdl, a.device),
@@ -322,23 +322,6 @@ def down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key
 
 
 @dataclass
-class FoldedCombine:
-    """The combine folded into the down kernel (DispatchConfig.combine_last): a counter per
-    (token, column tile of the down GEMM), the [T, H] output and the [T, K] ids."""
-    counters: torch.Tensor   # [T, cdiv(H, block_n2)] int32, zeroed by the gate_up kernel
-    out: torch.Tensor
-    ids: torch.Tensor
-
-    def args(self) -> dict:
-        """The kernel arguments gate_up_kernel and down_kernel share."""
-        K = self.ids.shape[1]
-        return dict(counters_ptr=self.counters, out_ptr=self.out, stride_ot=self.out.stride(0),
-                    stride_oh=self.out.stride(1), cids_ptr=self.ids,
-                    stride_cit=self.ids.stride(0), stride_cik=self.ids.stride(1), COMBINE_K=K,
-                    COMBINE_KP=next_pow2(K))
-
-
-@dataclass
 class DirectRows:
     """The rows of a call without an alignment: row block s is slot s alone (expert
     ids[0, s]). At T == 1 the K slots have K distinct experts, so no weights are read twice; at
@@ -398,10 +381,10 @@ def _sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _direct_args(al) -> dict:
+def _direct_args(al, n_experts) -> dict:
     if not isinstance(al, DirectRows):
         return {}
-    return dict(ids_ptr=al.ids, stride_ik=al.ids.stride(1), DIRECT=True)
+    return dict(ids_ptr=al.ids, stride_ik=al.ids.stride(1), n_experts=n_experts, DIRECT=True)
 
 
 def tma_layout_ok(t, strides=None) -> bool:

@@ -28,7 +28,7 @@ class DispatchConfig:
     pdl: bool = False  # programmatic dependent launch of the forward's kernels (sm_90+)
     tma_pair: bool = False  # with tma: gate and up weight tiles in one copy, one product
     half_tail: bool = False  # tail row blocks (<= block_m/2 valid rows) on a half-height tile
-    combine_last: bool = False  # the down kernel combines (the program that completes a token)
+    combine_last: bool = False  # T == 1, direct rows: the down kernel's last program combines
     down_ws: bool = False  # down GEMM: persistent warp-specialised kernel (128-row blocks, sm_90)
     tma_a: bool = False  # down GEMM: the act tiles (aligned rows, contiguous) through TMA too
 
@@ -259,7 +259,7 @@ def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dic
         cands["fused n32 k256" if fc else "n32 k256"] = r(base, fuse_combine=True,
                                                            block_n2=32, block_k2=256)
     cands["no pdl" if base.pdl else "pdl"] = r(base, pdl=not base.pdl)
-    if not base.fuse_combine and (base.direct or base.block_m <= 64):
+    if base.direct and not base.fuse_combine:
         cands["combine kernel" if base.combine_last else "combine last"] = r(
             base, combine_last=not base.combine_last)
     if base.block_m >= 64:

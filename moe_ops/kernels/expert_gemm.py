@@ -121,24 +121,6 @@ def row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr, stride_ik, 
 
 
 @triton.jit
-def block_live(pid_m, num_rows_ptr, sorted_ptr, block_expert_ptr, BLOCK_M: tl.constexpr,
-               EARLY: tl.constexpr):
-    """Whether aligned row block pid_m holds rows (blocks at or past the device-side num_rows
-    exit at once). EARLY: the block's table entries, which row_block reads next (its expert and
-    its BLOCK_M slots), are loaded here beside num_rows, so that the three loads are in flight
-    together and row_block finds them in L1: one memory round trip before the first tile
-    instead of two, in every program (decode kernels run many short ones). They enter the
-    result through a test that holds for every live block (table entries are >= 0), so the
-    compiler keeps them; for blocks past num_rows the result is False either way."""
-    live = pid_m * BLOCK_M < tl.load(num_rows_ptr)
-    if EARLY:
-        e = tl.load(block_expert_ptr + pid_m)
-        slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        live = live & ((e | tl.min(slots, axis=0)) >= 0)
-    return live
-
-
-@triton.jit
 def half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M: tl.constexpr):
     """Whether row block pid_m's valid rows all fit its first half: padding rows come last in an
     expert's range, so row BLOCK_M/2 holding the padding sentinel says so."""
@@ -156,9 +138,8 @@ def gate_up_kernel(
     USE_TMA: tl.constexpr = False, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False, TMA_PAIR: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, n_counters=0,
-    BLOCK_C: tl.constexpr = 0, EARLY_ROWS: tl.constexpr = False,
+    BLOCK_C: tl.constexpr = 0,
 ):
-    """EARLY_ROWS: see block_live."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
@@ -167,8 +148,8 @@ def gate_up_kernel(
             offs_c = tl.arange(0, BLOCK_C)
             tl.store(counters_ptr + offs_c, tl.zeros((BLOCK_C,), tl.int32), mask=offs_c < n_counters)
     if not DIRECT:
-        if not block_live(pid_m, num_rows_ptr, sorted_ptr, block_expert_ptr, BLOCK_M,
-                          EARLY_ROWS):
+        num_rows = tl.load(num_rows_ptr)
+        if pid_m * BLOCK_M >= num_rows:
             return
     # half: False unless HALF_TAIL (then a runtime flag: two tile heights). The local is a
     # runtime value either way, so the half-height branch is compiled (dead) without HALF_TAIL
@@ -233,7 +214,7 @@ def down_kernel(
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, out_ptr=None, stride_oh=0,
     COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False, a_desc=None, a_desc_half=None,
-    A_TMA: tl.constexpr = False, EARLY_ROWS: tl.constexpr = False,
+    A_TMA: tl.constexpr = False,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
@@ -247,15 +228,13 @@ def down_kernel(
     programs of an H tile stores its slot's row, then counts itself in counters[pid_n] (zeroed by
     this call's gate_up kernel); the one that counts last sums the K rows in order 0..K-1 in
     float32 into out, exactly as combine_kernel does (bitwise the same result, whichever program
-    is last).
-    EARLY_ROWS: see block_live; the routing weights of the rows are loaded before the main loop
-    too (the epilogue's only load)."""
+    is last)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
     if not DIRECT:
-        if not block_live(pid_m, num_rows_ptr, sorted_ptr, block_expert_ptr, BLOCK_M,
-                          EARLY_ROWS):
+        num_rows = tl.load(num_rows_ptr)
+        if pid_m * BLOCK_M >= num_rows:
             return
     # (a local `half = False` would be a runtime value whose branch is compiled too, with
     # a_desc_half None: the half-height tile is only compiled under HALF_TAIL)
@@ -264,13 +243,13 @@ def down_kernel(
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                   n_experts, DIRECT, USE_PDL, BLOCK_M // 2, a_desc_half, A_TMA, EARLY_ROWS)
+                   n_experts, DIRECT, USE_PDL, BLOCK_M // 2, a_desc_half, A_TMA)
     else:
         down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                   n_experts, DIRECT, USE_PDL, BLOCK_M, a_desc, A_TMA, EARLY_ROWS)
+                   n_experts, DIRECT, USE_PDL, BLOCK_M, a_desc, A_TMA)
     if COMBINE_K > 0:
         combine_last(y_ptr, ids_ptr, counters_ptr, out_ptr, pid_n, H, n_experts, stride_ik,
                      stride_ym, stride_oh, BLOCK_N, COMBINE_K, FENCE)
@@ -309,7 +288,7 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                w_desc, TMA_LAYOUT: tl.constexpr, ids_ptr, stride_ik, n_experts,
                DIRECT: tl.constexpr, PDL_LATE: tl.constexpr, TILE_M: tl.constexpr,
-               a_desc, A_TMA: tl.constexpr, EARLY_TW: tl.constexpr = False):
+               a_desc, A_TMA: tl.constexpr):
     """down_kernel's work on the first TILE_M rows of row block pid_m (A_TMA: A tiles through
     `a_desc`, whose block is [TILE_M, BLOCK_K])."""
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
@@ -324,10 +303,6 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
     acc = tl.zeros((TILE_M, BLOCK_N), tl.float32)
     n0 = pid_n * BLOCK_N
     e32 = e.to(tl.int32)
-    slots64 = slots.to(tl.int64)
-    if HAS_WEIGHTS and EARLY_TW:
-        tw = tl.load(weights_ptr + (slots64 // top_k) * stride_tw_t
-                     + (slots64 % top_k) * stride_tw_k, mask=row_valid, other=0.0)
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         if A_TMA:
@@ -345,11 +320,11 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
         b_ptrs += BLOCK_K * stride_wk
     if PDL_LATE:
         gdc_launch_dependents()
+    slots64 = slots.to(tl.int64)
     if HAS_WEIGHTS:
-        if not EARLY_TW:
-            tw = tl.load(weights_ptr + (slots64 // top_k) * stride_tw_t
-                         + (slots64 % top_k) * stride_tw_k, mask=row_valid, other=0.0)
-        acc = acc * tw.to(tl.float32)[:, None]
+        tw = tl.load(weights_ptr + (slots64 // top_k) * stride_tw_t + (slots64 % top_k) * stride_tw_k,
+                     mask=row_valid, other=0.0).to(tl.float32)
+        acc = acc * tw[:, None]
     tl.store(y_ptr + slots64[:, None] * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
 

@@ -99,13 +99,6 @@ def zero_dropped_z_triton(z, topk_ids, num_experts, key=None):
     )
 
 
-# The forward's GEMM kernels load their row block's table entries beside num_rows and the down
-# kernel its routing weights before its main loop (kernels.expert_gemm.block_live): one memory
-# round trip fewer per program. A module-level seam for benchmarks/ab_seam.py (NOTES.md
-# entry 61); part of the launch keys.
-EARLY_ROWS = True
-
-
 def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False, counters=None,
                    key=None):
     """act[row] = SwiGLU(W13_e x_t) over the aligned rows (gathering token rows through the slot
@@ -127,8 +120,8 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
     direct = _direct_args(al, w13.shape[0])
     cnt = {} if counters is None else dict(counters_ptr=counters, n_counters=counters.numel(),
                                            BLOCK_C=next_pow2(counters.numel()))
-    fk = launch_key(key and (key, "gate_up", EARLY_ROWS), act, al.sorted_slots, al.block_expert,
-                    al.num_rows, z, counters)
+    fk = launch_key(key and (key, "gate_up"), act, al.sorted_slots, al.block_expert, al.num_rows,
+                    z, counters)
     kernel_for(gate_up_kernel, hidden.device, fk)[(n_blocks * cdiv(I, cfg.block_n1),)](
         hidden, w13, act, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, top_k,
@@ -138,7 +131,7 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
         GROUP_M=_group_m(cfg, al),
         DOT_PRECISION=_dot_precision(hidden.dtype), SAVE_Z=z is not None,
         w_desc=w_desc, USE_TMA=w_desc is not None, TMA_PAIR=pair, **direct,
-        HALF_TAIL=_half_tail(cfg.half_tail, al), **cnt, EARLY_ROWS=EARLY_ROWS,
+        HALF_TAIL=_half_tail(cfg.half_tail, al), **cnt,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_args(pdl, hidden.device),
     )
 
@@ -180,8 +173,8 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         counters, out, ids = combine
         comb = dict(counters_ptr=counters, out_ptr=out, stride_oh=out.stride(1),
                     COMBINE_K=ids.shape[1], FENCE=_compiled_code(a.device))
-    fk = launch_key(key and (key, "down", EARLY_ROWS), a, y, al.sorted_slots, al.block_expert,
-                    al.num_rows, comb.get("counters_ptr"))
+    fk = launch_key(key and (key, "down"), a, y, al.sorted_slots, al.block_expert, al.num_rows,
+                    comb.get("counters_ptr"))
     kernel_for(down_kernel, a.device, fk)[(n_blocks * cdiv(N, block_n),)](
         a, w, y, tw, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, N, K_red, top_k,
@@ -189,7 +182,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         tw.stride(0), tw.stride(1), y.stride(0), n_blocks, N,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
-        w_desc=w_desc, TMA_LAYOUT=layout, **direct, HALF_TAIL=half, EARLY_ROWS=EARLY_ROWS,
+        w_desc=w_desc, TMA_LAYOUT=layout, **direct, HALF_TAIL=half,
         **comb, **({} if a_descs is None else dict(a_desc=a_descs[0], a_desc_half=a_descs[1],
                                                     A_TMA=True)),
         num_warps=num_warps, num_stages=num_stages, **_pdl_args(pdl, a.device),

@@ -217,6 +217,29 @@ def test_float64_logits_scored_in_float32(path, request):
         assert torch.equal(ids, ids32) and torch.equal(w, w32)
 
 
+@pytest.mark.parametrize("path", ["reference_path", "interpreter"])
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                  "float8_e5m2fnuz", "float8_e8m0fnu"])
+def test_any_float_logits_dtype(path, name, request):
+    """"router_logits: any float dtype" (CONTRACT.md): the kernel is fed float32 for dtypes it
+    does not load itself (Triton's interpreter has no float8_e8m0fnu; Triton's CUDA backend has
+    no fnuz float8 and no float8 before sm_89); logits and bias give what their float32 values
+    give."""
+    request.getfixturevalue(path)
+    dtype = getattr(torch, name, None)
+    if dtype is None:
+        pytest.skip(f"torch {torch.__version__} has no {name}")
+    g = torch.Generator().manual_seed(12)
+    logits = torch.rand(9, 16, generator=g).mul(8).to(dtype)
+    bias = torch.rand(16, generator=g).to(dtype)
+    for kw in ({}, {"scoring": "sigmoid", "bias": bias, "num_groups": 4, "topk_groups": 2}):
+        w, ids = torch.ops.moe.route(logits, 4, **kw)
+        kw32 = {k: (v.float() if torch.is_tensor(v) else v) for k, v in kw.items()}
+        w32, ids32 = torch.ops.moe.route(logits.float(), 4, **kw32)
+        assert w.dtype == torch.float32 and ids.dtype == torch.int32
+        assert torch.equal(ids, ids32) and torch.equal(w, w32)
+
+
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 def test_near_ties_same_experts_on_reference_and_kernel(scoring, interpreter):
     """Logits that differ by less than float32 score rounding (softmax of 0 and 1e-12; sigmoid

@@ -16,17 +16,23 @@ ROUTE_SCHEMA = (
     "-> (Tensor topk_weights, Tensor topk_ids)"
 )
 ROUTE = define(ROUTE_SCHEMA)
+# logits / bias dtypes the Triton kernel loads itself; others are converted to float32 first
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @torch.library.register_kernel(ROUTE, ("cpu", "cuda"))
 def _route_impl(router_logits, top_k, scoring="softmax", renormalize=True, bias=None,
                 num_groups=1, topk_groups=1, scale=1.0):
     check_route(router_logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, scale)
-    if router_logits.dtype == torch.float64:
+    if router_logits.dtype not in _KERNEL_DTYPES:
         # The contract scores in float32 whatever the logits' dtype: float64 logits give what
-        # their float32 rounding gives (the backward still runs in float64).
+        # their float32 rounding gives (the backward still runs in float64); the other float
+        # dtypes (float8 variants) are converted exactly. The kernel loads only these: Triton's
+        # interpreter has no float8_e8m0fnu, its CUDA backend no fnuz float8 (nor float8 at all
+        # before sm_89).
         router_logits = router_logits.float()
-        bias = None if bias is None else bias.float()
+    if bias is not None and bias.dtype not in _KERNEL_DTYPES:
+        bias = bias.float()
     if use_triton(router_logits):
         from moe_ops.launch.routing import route_triton
 

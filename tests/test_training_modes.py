@@ -932,6 +932,42 @@ def test_fused_combine_one_token(interpreter, monkeypatch, routing, K, H, I, blo
         monkeypatch.undo()
 
 
+@needs_interpreter
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("path", ["fused", "fused tma", "combine last", "combine kernel"])
+def test_one_token_unused_expert_weights_never_reach_the_output(interpreter, path, bad):
+    """T == 1 on each of its paths, with a dropped id (< 0 and >= E) and non-finite weights
+    (w13 and w2) in an expert no slot uses (expert 0, which a dropped id was mapped to for an
+    in-bounds read): an id that is dropped contributes nothing, so the output is finite and
+    matches float64, and with every id dropped the output row is zeros (the fused kernel once
+    multiplied expert 0's tile by zero rows: 0 * NaN = NaN in every accumulator row)."""
+    import dataclasses
+
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.reference.dispatch import dispatch_reference
+    from moe_ops.tuning.heuristics import dispatch_config
+
+    seed = fresh_seed()
+    H, I, E, K = 24, 40, 6, 4
+    args, _ = _inputs(1, H, I, E, K, routing="uniform", seed=seed)
+    h, w13, w2, w, _ = args
+    w13, w2 = w13.clone(), w2.clone()
+    w13[0].fill_(bad)
+    w2[0].fill_(bad)
+    cfg = dataclasses.replace(dispatch_config(1, E, K, H, I, "cpu", torch.float32), direct=True,
+                              fuse_combine=path.startswith("fused"), tma="tma" in path,
+                              combine_last=path == "combine last")
+    for ids in ([[3, -1, 5, E]], [[-1, E, -7, E + 3]]):
+        ids = torch.tensor(ids, dtype=torch.int32)
+        out = dispatch_triton(h, w13, w2, w, ids, config=cfg)
+        ref = dispatch_reference(h.double(), w13.double(), w2.double(), w.double(), ids)
+        assert ref.isfinite().all()
+        assert out.isfinite().all(), (seed, ids)
+        assert rel_err(out, ref) <= 1e-5 or torch.equal(out, torch.zeros_like(out)), (seed, ids)
+        if (ids < 0).logical_or(ids >= E).all():
+            assert torch.equal(out, torch.zeros_like(out)), seed
+
+
 # int64 ids out of range that wrap to a valid expert when narrowed to int32
 WRAPPING_IDS = (-(2**32), -(2**32) + 2, 2**32 + 1, -(2**40) + 1)
 

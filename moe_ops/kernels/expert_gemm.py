@@ -403,13 +403,16 @@ def down_combine_one_token_kernel(
     USE_PDL: tl.constexpr = False,
 ):
     """out[0, n-tile] = sum over k in order of topk_weight[k] * act[k*BLOCK_M] @ w2[e_k, n-tile].T
-    (T == 1, direct rows: slot k's activation row is row block k's first row). One loop over
-    (slot, I step) pairs, so it is software-pipelined across slots: step (k, k0) multiplies an A
-    tile whose only nonzero row is k (the slot's activation) by expert e_k's weight tile, so
-    accumulator row k collects slot k's product alone. The slot's expert comes from a register
-    vector of the K ids (no dependent load inside the loop). TOP_K <= BLOCK_M. Dropped ids
-    (< 0 or >= E) contribute nothing (their A rows are zero; on the TMA path expert 0's tile is
-    read and multiplied by zeros)."""
+    (T == 1, direct rows: slot k's activation row is row block k's first row). The slots with a
+    valid id (0 <= id < E) are compacted first, in order: the c-th of them is accumulator row c.
+    One loop over (valid slot, I step) pairs, so it is software-pipelined across slots: step
+    (c, k0) multiplies an A tile whose only nonzero row is c (that slot's activation) by its
+    expert's weight tile, so accumulator row c collects that slot's product alone. The expert
+    and activation row come from register vectors (no dependent load inside the loop). TOP_K <=
+    BLOCK_M. Dropped ids contribute nothing and their weights are never read: every tile the
+    loop multiplies (by zeros in all rows but one) belongs to an expert the token uses, so an
+    unused expert's non-finite weights cannot reach the output as 0 * inf; with no valid id the
+    output row is zeros."""
     n0 = tl.program_id(0) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -418,15 +421,20 @@ def down_combine_one_token_kernel(
     if USE_PDL:
         gdc_wait()
     ids, valid = load_ids(ids_ptr + rows * stride_ik, rows < TOP_K, E)
-    ids = tl.where(valid, ids, 0)
+    # compaction: slot[c] = the row of the c-th valid slot, ids_c[c] its expert
+    rank = tl.cumsum(valid.to(tl.int32), axis=0) - 1
+    pick = (rank[None, :] == rows[:, None]) & valid[None, :]       # [c, row]
+    slot = tl.sum(tl.where(pick, rows[None, :], 0), axis=1)
+    ids_c = tl.sum(tl.where(pick, ids[None, :], 0), axis=1)
+    n_valid = tl.sum(valid.to(tl.int32), axis=0)
     n_k = tl.cdiv(I, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    a_rows = act_ptr + (rows * BLOCK_M).to(tl.int64)[:, None] * stride_am
-    for j in range(0, TOP_K * n_k):
+    a_rows = act_ptr + (slot * BLOCK_M).to(tl.int64)[:, None] * stride_am
+    for j in range(0, n_valid * n_k):
         k = j // n_k
         k0 = (j - k * n_k) * BLOCK_K
-        e = tl.sum(tl.where(rows == k, ids, 0))
-        row_on = (rows == k) & valid
+        e = tl.sum(tl.where(rows == k, ids_c, 0))
+        row_on = rows == k
         k_mask = offs_k < I - k0
         a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=row_on[:, None] & k_mask[None, :],
                     other=0.0)
@@ -437,7 +445,7 @@ def down_combine_one_token_kernel(
                       + (k0 + offs_k)[:, None] * stride_wk)
             b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    tw = tl.load(weights_ptr + rows * stride_tw_k, mask=(rows < TOP_K) & valid, other=0.0)
+    tw = tl.load(weights_ptr + slot * stride_tw_k, mask=rows < n_valid, other=0.0)
     y = tl.sum(acc * tw.to(tl.float32)[:, None], axis=0)
     tl.store(out_ptr + offs_n * stride_oh, y.to(out_ptr.dtype.element_ty), mask=n_mask)
 

@@ -78,6 +78,35 @@ def test_parity_path_variants(name, dtype, T):
         assert rel_err(out, ref) <= GPU_RTOL[dtype], vname
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3_routed", "qwen3_30b_a3b"])
+def test_one_token_unused_expert_nan_weights(name):
+    """T == 1, the fused down+combine kernel and the combine-last path, ids < 0 and >= E among
+    the token's slots, NaN weights in expert 0, which no slot uses: the output is finite and
+    matches float64 (a dropped id must read no weights); every id dropped gives zeros."""
+    import dataclasses
+
+    from moe_ops.tuning.heuristics import heuristic_config
+
+    H, I, E, K = SHAPES[name]
+    h, w13, w2, w, _ = _inputs(name, 1, torch.bfloat16, seed=23)
+    w13[0].fill_(float("nan"))
+    w2[0].fill_(float("nan"))
+    base = heuristic_config(1, E, K, H, I, "cuda", torch.bfloat16)
+    for ids in ([[5, -1, 9, E, 17, -3, 2, 40]], [[-1] * 4 + [E] * 4]):
+        ids = torch.tensor(ids, dtype=torch.int32, device="cuda")
+        ref = _oracle(h, w13, w2, w, ids)
+        for fused in (True, False):
+            cfg = dataclasses.replace(base, fuse_combine=fused, combine_last=not fused)
+            _poison_allocator()
+            out = torch.full((1, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+            dispatch_triton(h, w13, w2, w, ids, config=cfg, out=out)
+            assert out.isfinite().all(), (fused, nan_summary(out))
+            assert rel_err(out, ref) <= GPU_RTOL[torch.bfloat16] or \
+                torch.equal(out, torch.zeros_like(out)), fused
+            if (ids < 0).logical_or(ids >= E).all():
+                assert torch.equal(out, torch.zeros_like(out)), fused
+
+
 @pytest.mark.parametrize("routing", ["skewed", "one_expert", "empty_experts", "negative"])
 def test_parity_routings(routing):
     args = _inputs("qwen3_30b_a3b", 2048, torch.bfloat16, routing=routing, seed=11)

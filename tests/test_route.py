@@ -201,6 +201,17 @@ def test_strided_bias(interpreter, kw):
         assert torch.equal(ids, ids_c) and torch.equal(w, w_c)
 
 
+def _assert_routes_as_float32(logits, bias):
+    """moe.route of `logits` (and `bias`, grouped sigmoid) gives exactly what their float32
+    values give, weights in float32 and ids in int32."""
+    for kw in ({}, {"scoring": "sigmoid", "bias": bias, "num_groups": 4, "topk_groups": 2}):
+        w, ids = torch.ops.moe.route(logits, 4, **kw)
+        kw32 = {k: (v.float() if torch.is_tensor(v) else v) for k, v in kw.items()}
+        w32, ids32 = torch.ops.moe.route(logits.float(), 4, **kw32)
+        assert w.dtype == torch.float32 and ids.dtype == torch.int32
+        assert torch.equal(ids, ids32) and torch.equal(w, w32)
+
+
 @pytest.mark.parametrize("path", ["reference_path", "interpreter"])
 def test_float64_logits_scored_in_float32(path, request):
     """Scores are computed in float32 whatever the logits' dtype (CONTRACT.md): float64 logits
@@ -209,12 +220,7 @@ def test_float64_logits_scored_in_float32(path, request):
     g = torch.Generator().manual_seed(11)
     logits = torch.randn(20, 16, dtype=torch.float64, generator=g)
     bias = torch.randn(16, dtype=torch.float64, generator=g) * 0.1
-    for kw in ({}, {"scoring": "sigmoid", "bias": bias, "num_groups": 4, "topk_groups": 2}):
-        w, ids = torch.ops.moe.route(logits, 4, **kw)
-        kw32 = {k: (v.float() if torch.is_tensor(v) else v) for k, v in kw.items()}
-        w32, ids32 = torch.ops.moe.route(logits.float(), 4, **kw32)
-        assert w.dtype == torch.float32 and ids.dtype == torch.int32
-        assert torch.equal(ids, ids32) and torch.equal(w, w32)
+    _assert_routes_as_float32(logits, bias)
 
 
 @pytest.mark.parametrize("path", ["reference_path", "interpreter"])
@@ -232,12 +238,7 @@ def test_any_float_logits_dtype(path, name, request):
     g = torch.Generator().manual_seed(12)
     logits = torch.rand(9, 16, generator=g).mul(8).to(dtype)
     bias = torch.rand(16, generator=g).to(dtype)
-    for kw in ({}, {"scoring": "sigmoid", "bias": bias, "num_groups": 4, "topk_groups": 2}):
-        w, ids = torch.ops.moe.route(logits, 4, **kw)
-        kw32 = {k: (v.float() if torch.is_tensor(v) else v) for k, v in kw.items()}
-        w32, ids32 = torch.ops.moe.route(logits.float(), 4, **kw32)
-        assert w.dtype == torch.float32 and ids.dtype == torch.int32
-        assert torch.equal(ids, ids32) and torch.equal(w, w32)
+    _assert_routes_as_float32(logits, bias)
 
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])

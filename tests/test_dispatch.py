@@ -270,6 +270,15 @@ def test_errors(args, exc, match):
         torch.ops.moe.dispatch(*args)
 
 
+def test_error_float64_off_the_cpu_names_the_device():
+    """float64 runs the reference on the CPU only; elsewhere the error says so (meta here: the
+    fake implementation runs the same checks as CUDA)."""
+    a = [t.to("meta") for t in _good()]
+    a[0], a[1], a[2] = (t.double() for t in a[:3])
+    with pytest.raises(TypeError, match=r"float32 on meta \(float64 runs on the CPU only\)"):
+        torch.ops.moe.dispatch(*a)
+
+
 def test_error_non_tensor_through_python_api():
     import moe_ops
 

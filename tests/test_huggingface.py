@@ -348,6 +348,108 @@ def test_patched_model_survives_torch_save_and_load(name, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
+# accelerate hooks (device_map / offloading wrap a module's forward)
+
+
+def _counting_hook():
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class Counting(hooks.ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            self.calls += 1
+            return args, kwargs
+
+    return hooks, Counting()
+
+
+def _experts_modules(model):
+    return [m.mlp.experts for m in model.model.layers if hasattr(m.mlp, "experts")]
+
+
+def _run(model, ids):
+    with torch.no_grad(), OpCounter() as counter:
+        out = model(ids).logits
+    return out, counter.counts
+
+
+@pytest.mark.parametrize("hook_first", [True, False], ids=["hook_then_patch", "patch_then_hook"])
+def test_accelerate_hook_survives_patch_and_revert(hook_first):
+    """An accelerate hook on an experts module, added before or after apply_moe_ops: the hook
+    runs while patched and still runs after revert_moe_ops, which restores the original
+    experts forward under it."""
+    hooks, hook = _counting_hook()
+    model = make_model("qwen3_moe")
+    ids = input_ids()
+    ref, _ = _run(model, ids)
+    experts = _experts_modules(model)[0]
+    if hook_first:
+        hooks.add_hook_to_module(experts, hook)
+    apply_moe_ops(model)
+    if not hook_first:
+        hooks.add_hook_to_module(experts, hook)
+    out, counts = _run(model, ids)
+    blocks = num_moe_blocks(model)
+    assert counts == {"route": blocks, "dispatch": blocks}
+    assert hook.calls == 1
+    assert rel_err(out, ref) < 1e-5
+    revert_moe_ops(model)
+    assert not is_patched(model)
+    out, counts = _run(model, ids)
+    assert counts == {}, "revert_moe_ops left the patch in place under the hook"
+    assert hook.calls == 2, "revert_moe_ops dropped the accelerate hook"
+    assert torch.equal(out, ref)
+    hooks.remove_hook_from_module(experts)
+    out, counts = _run(model, ids)
+    assert counts == {} and hook.calls == 2 and torch.equal(out, ref)
+
+
+def test_accelerate_hook_removed_while_patched():
+    """Patched under a hook, then the hook removed (accelerate moves the patched forward back to
+    `forward`): the model stays patched, and revert_moe_ops then unpatches it."""
+    hooks, hook = _counting_hook()
+    model = make_model("olmoe")
+    ids = input_ids()
+    ref, _ = _run(model, ids)
+    for experts in _experts_modules(model):
+        hooks.add_hook_to_module(experts, hook)
+    apply_moe_ops(model)
+    for experts in _experts_modules(model):
+        hooks.remove_hook_from_module(experts)
+    blocks = num_moe_blocks(model)
+    out, counts = _run(model, ids)
+    assert counts == {"route": blocks, "dispatch": blocks} and hook.calls == 0
+    revert_moe_ops(model)
+    out, counts = _run(model, ids)
+    assert counts == {}, "revert_moe_ops left the patch in place after the hook was removed"
+    assert torch.equal(out, ref)
+    assert_pristine(model)
+
+
+def test_apply_after_accelerate_hook_removed():
+    """accelerate's remove_hook_from_module leaves the class forward, bound, as an instance
+    attribute: that is not another library's wrapper, and apply_moe_ops patches over it (and
+    revert puts it back)."""
+    hooks, hook = _counting_hook()
+    model = make_model("mixtral")
+    ids = input_ids()
+    ref, _ = _run(model, ids)
+    for experts in _experts_modules(model):
+        hooks.add_hook_to_module(experts, hook)
+        hooks.remove_hook_from_module(experts)
+        assert "forward" in experts.__dict__  # what accelerate leaves behind
+    apply_moe_ops(model)
+    blocks = num_moe_blocks(model)
+    out, counts = _run(model, ids)
+    assert counts == {"route": blocks, "dispatch": blocks}
+    assert rel_err(out, ref) < 1e-5
+    revert_moe_ops(model)
+    out, counts = _run(model, ids)
+    assert counts == {} and torch.equal(out, ref)
+
+
+# ------------------------------------------------------------------------------------------------
 # Class route
 
 
@@ -597,6 +699,19 @@ def test_gpu_bf16_generate():
     apply_moe_ops(model)
     out = model.generate(ids, **kw)
     assert torch.equal(out[:, : ids.shape[1] + 1], ref[:, : ids.shape[1] + 1])
+
+
+@pytest.mark.gpu
+def test_gpu_float64_model_refused_at_patch_time():
+    """moe.dispatch runs float64 on the CPU only: a float64 model on CUDA is refused by
+    apply_moe_ops (nothing patched) and by the "moe_ops" experts function, naming float64."""
+    model = make_model("qwen3_moe", dtype=torch.float64, device="cuda")
+    with pytest.raises(UnsupportedModelError, match="float64 on cuda"):
+        apply_moe_ops(model)
+    assert not is_patched(model)
+    model.set_experts_implementation("moe_ops")
+    with pytest.raises(UnsupportedModelError, match="float64 on cuda"), torch.no_grad():
+        model(input_ids(device="cuda"))
 
 
 @pytest.mark.gpu

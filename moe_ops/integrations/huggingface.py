@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -115,6 +116,10 @@ def check_experts_layout(experts: torch.nn.Module, where: str | None = None) -> 
         for name, w in (("gate_up_proj", w13), ("down_proj", w2)):
             if w.dtype not in _OK_DTYPES:
                 problems.append(f"{name} dtype {w.dtype} (quantized experts are not covered)")
+            elif w.dtype == torch.float64 and w.device.type not in ("cpu", "meta"):
+                problems.append(
+                    f"{name} float64 on {w.device} (moe.dispatch runs float64 on the CPU only, "
+                    "through its reference; on the GPU use bfloat16, float16 or float32)")
     if problems:
         at = f" ({where})" if where else ""
         raise UnsupportedModelError(
@@ -266,6 +271,8 @@ _FAMILIES = (
 )
 
 SUPPORTED_FAMILIES = tuple(f.name for f in _FAMILIES)
+# The functions apply_moe_ops(model) installs (as functools.partial(fn, module)).
+_PATCH_FUNCTIONS = frozenset([_patched_experts_forward, *(f.router_forward for f in _FAMILIES)])
 
 
 def _supported_blocks_text():
@@ -288,12 +295,24 @@ def _forward_attr(module: torch.nn.Module, where: str) -> str:
         return d[_SAVED][0]
     if "_hf_hook" in d and "_old_forward" in d:
         return "_old_forward"
-    if "forward" in d:
+    if "forward" in d and not _is_class_forward(d["forward"], module):
         raise UnsupportedModelError(
             f"moe_ops: {type(module).__name__} ({where}) already has an instance-level forward "
             "installed by another library (tensor/expert parallelism?); apply_moe_ops cannot patch "
             "it without bypassing that wrapper.")
     return "forward"
+
+
+def _is_class_forward(fn, module) -> bool:
+    """`fn` is the module's own class `forward` bound to it: what accelerate's
+    `remove_hook_from_module` leaves behind as an instance attribute."""
+    return (getattr(fn, "__self__", None) is module
+            and getattr(fn, "__func__", None) is type(module).forward)
+
+
+def _is_our_patch(fn, module) -> bool:
+    return (isinstance(fn, functools.partial) and fn.func in _PATCH_FUNCTIONS
+            and len(fn.args) == 1 and fn.args[0] is module)
 
 
 def _patch_instance(module, fn, attr):
@@ -307,11 +326,23 @@ def _patch_instance(module, fn, attr):
 
 
 def _unpatch_instance(module):
-    attr, prev = module.__dict__.pop(_SAVED)
-    if prev is None:
-        module.__dict__.pop(attr, None)
-    else:
-        module.__dict__[attr] = prev
+    """Puts back what the patch replaced, wherever the patch is now: an accelerate hook added
+    after `apply_moe_ops` moves it from `forward` to `_old_forward` (the hook stays and calls the
+    restored forward); a hook removed after it moves it from `_old_forward` to `forward`."""
+    d = module.__dict__
+    attr, prev = d.pop(_SAVED)
+    if prev is not None and _is_class_forward(prev, module):
+        prev = None
+    for name in dict.fromkeys((attr, "forward", "_old_forward")):
+        if not _is_our_patch(d.get(name), module):
+            continue
+        if prev is not None:
+            d[name] = prev
+        elif name == "forward":
+            del d[name]
+        else:  # a hook's wrapper calls module._old_forward: the class forward, bound
+            d[name] = types.MethodType(type(module).forward, module)
+        return
 
 
 def _family_of(module, loaded):

@@ -88,7 +88,8 @@ def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation):
     check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     dev = hidden.device.type
     if not _dtypes_ok(hidden.dtype, dev):
-        raise TypeError(f"hidden must be bfloat16, float16 or float32, got {hidden.dtype}")
+        cpu_only = f" on {dev} (float64 runs on the CPU only)" if hidden.dtype == torch.float64 else ""
+        raise TypeError(f"hidden must be bfloat16, float16 or float32{cpu_only}, got {hidden.dtype}")
     for name, w in (("w13", w13), ("w2", w2)):
         if w.dtype != hidden.dtype:
             raise TypeError(f"{name} must have hidden's dtype {hidden.dtype}, got {w.dtype}")

@@ -5,18 +5,23 @@ scale 2.5)."""
 import torch
 from torch import nn
 
+import moe_ops
 
-def route(logits, router, bias, top_k):
+
+def route(logits, router, bias, top_k, api="ops"):
+    fn = torch.ops.moe.route if api == "ops" else moe_ops.route
     if router == "softmax":
-        return torch.ops.moe.route(logits, top_k)
-    return torch.ops.moe.route(logits, top_k, "sigmoid", True, bias, 4, 2, 2.5)
+        return fn(logits, top_k)
+    return fn(logits, top_k, "sigmoid", True, bias, 4, 2, 2.5)
 
 
 class MoEBlock(nn.Module):
-    """On [T, H] tokens; returns the output, and the chosen expert ids too if `return_ids`."""
+    """On [T, H] tokens; returns the output, and the chosen expert ids too if `return_ids`.
+    `api="python"` calls the ops through `moe_ops.route` / `moe_ops.dispatch`."""
 
-    def __init__(self, H, I, E, K, router="softmax", return_ids=False, eps=1e-6):
+    def __init__(self, H, I, E, K, router="softmax", return_ids=False, eps=1e-6, api="ops"):
         super().__init__()
+        self.api = api
         self.top_k = K
         self.router_kind = router
         self.return_ids = return_ids
@@ -31,6 +36,7 @@ class MoEBlock(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = (h * self.norm_weight).to(x.dtype)
-        w, ids = route(self.router(h), self.router_kind, self.score_bias, self.top_k)
-        out = x + torch.ops.moe.dispatch(h, self.w13, self.w2, w, ids)
+        w, ids = route(self.router(h), self.router_kind, self.score_bias, self.top_k, self.api)
+        dispatch = torch.ops.moe.dispatch if self.api == "ops" else moe_ops.dispatch
+        out = x + dispatch(h, self.w13, self.w2, w, ids)
         return (out, ids) if self.return_ids else out

@@ -141,6 +141,48 @@ def test_one_compiled_frame_for_every_token_count(fresh_dynamo, strategy):
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("router", ["softmax", "deepseek"])
+def test_python_api_one_frame_for_every_token_count(fresh_dynamo, router):
+    """moe_ops.route / moe_ops.dispatch (which re-run the argument checks in traced Python under
+    torch.compile) trace with fullgraph=True, forward and backward, in one frame for every T."""
+    torch.manual_seed(0)
+    block = MoEBlock(H, I, E, K, router, api="python")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, backend=counter, fullgraph=True)
+    assert_matches_eager(compiled, block, make_input(1, seed=0), lambda x: mark_unbacked(x, 0))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for T in TOKEN_COUNTS:
+            assert_matches_eager(compiled, block, make_input(T, seed=T))
+    assert counter.frame_count == 1
+
+
+def _bad_dispatch_args():
+    x, w2 = torch.randn(4, 8), torch.randn(3, 8, 6)
+    return x, torch.randn(3, 10, 8), w2, torch.rand(4, 2), torch.zeros(4, 2, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda: moe_ops.dispatch(*_bad_dispatch_args()), ValueError, r"w13 must have shape \[E, 2I, H\]"),
+    (lambda: moe_ops.dispatch(*_bad_dispatch_args()[:2], torch.randn(3, 8, 6).double(),
+                              *_bad_dispatch_args()[3:]), TypeError, "w2 must have hidden's dtype"),
+    (lambda: moe_ops.route(torch.randn(4, 8), 9), ValueError, r"top_k must be in \[1, E=8\]"),
+    (lambda: moe_ops.route(torch.randn(4, 8), 2, "sigmoid", True, torch.randn(7)), ValueError,
+     r"bias must have shape \[E\]"),
+], ids=["dispatch_shape", "dispatch_dtype", "route_top_k", "route_bias"])
+def test_python_api_errors_under_compile_are_eagers(fresh_dynamo, call, exc, match):
+    """Bad arguments under torch.compile: the eager exception type and message, not dynamo's
+    TorchRuntimeError (which is what a direct torch.ops.moe.* call gives there); with
+    fullgraph=True dynamo reports the same message as an observed exception."""
+    with pytest.raises(exc, match=match):
+        call()
+    with pytest.raises(exc, match=match):
+        torch.compile(call, backend="eager")()
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        torch.compile(call, backend="eager", fullgraph=True)()
+    assert re.search(match, str(info.value.__cause__ or info.value)), str(info.value)
+
+
 @pytest.mark.parametrize("strategy, cuda_graphs_allowed",
                          [("mark_unbacked", False), ("backed_size_oblivious", True)])
 def test_which_strategy_keeps_inductor_cuda_graphs(fresh_dynamo, strategy, cuda_graphs_allowed):

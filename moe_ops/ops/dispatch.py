@@ -237,4 +237,9 @@ def dispatch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     check_tensor_args(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     if not isinstance(activation, str):
         raise TypeError(f"activation must be a str ('silu'), got {type(activation).__name__}")
+    if torch.compiler.is_compiling():
+        # A check that fails inside the op's fake implementation reaches the user as dynamo's
+        # TorchRuntimeError; raised here, in traced Python, it is eager's ValueError/TypeError
+        # (fullgraph=True reports it as an observed exception carrying the same message).
+        check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation)
     return torch.ops.moe.dispatch(hidden, w13, w2, topk_weights, topk_ids, activation)

@@ -125,6 +125,8 @@ def route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
             raise TypeError(f"renormalize must be a bool, got {name}")
     if bias is not None:
         check_tensor_args(bias=bias)
+    if torch.compiler.is_compiling():   # eager's exception types under torch.compile (see dispatch)
+        check_route(router_logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, scale)
     return torch.ops.moe.route(router_logits, top_k, scoring, renormalize, bias, num_groups,
                                topk_groups, scale)
 

@@ -69,12 +69,15 @@ def main():
     for n, rep, acc in rows:
         print(f"{n:3d} {rep:7.1f} " + " ".join(f"{acc.get(k, 0.0):14.1f}" for k in names))
     xs = [r[0] for r in rows]
-    print("\nleast squares, time = a + b * n (us); rate = bytes per expert / b")
+    print("\nleast squares, time = a + b * n (us); rate = the weight bytes it streams per expert / b")
+    streams = {"gate_up": ("w13", 2 * s.H * s.I * 2), "down": ("w2", s.H * s.I * 2)}
     for label, ys in [("replay", [r[1] for r in rows])] + [
             (k, [r[2].get(k, 0.0) for r in rows]) for k in names]:
         a, b = fit(xs, ys)
-        rate = per_expert / (b * 1e-6) / 1e12 if b > 0 else float("nan")
-        print(f"{label[:24]:<24} a {a:7.1f}  b {b:6.3f}  ({rate:.2f} TB/s on all of an expert's weights)")
+        what, nbytes = next((v for k, v in streams.items() if label.startswith(k)),
+                            ("w13 + w2", per_expert) if label == "replay" else (None, 0))
+        rate = f"  ({nbytes / (b * 1e-6) / 1e12:.2f} TB/s on {what})" if what and b > 0 else ""
+        print(f"{label[:24]:<24} a {a:7.1f}  b {b:6.3f}{rate}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 
-from conftest import OpCounter, rel_err  # noqa: E402
+from conftest import OpCounter, needs_interpreter, rel_err  # noqa: E402
 from moe_ops.integrations import huggingface as hf  # noqa: E402
 from moe_ops.integrations.huggingface import (  # noqa: E402
     UnsupportedModelError,
@@ -143,6 +143,7 @@ def test_logits_match(name):
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="CPU-only check: with triton 3.6 on a CUDA machine, an interpreted launch "
                            "fails and breaks the CUDA launches after it in the process")
+@needs_interpreter
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
 def test_logits_match_triton_interpreter(name, monkeypatch):
     """The same through the Triton kernels (run by Triton's interpreter on CPU)."""

@@ -375,15 +375,21 @@ def _run(model, ids):
     return out, counter.counts
 
 
+def _hook_case(name):
+    """(accelerate.hooks, a counting hook, an unpatched model, its input ids, its logits)."""
+    hooks, hook = _counting_hook()
+    model = make_model(name)
+    ids = input_ids()
+    ref, _ = _run(model, ids)
+    return hooks, hook, model, ids, ref
+
+
 @pytest.mark.parametrize("hook_first", [True, False], ids=["hook_then_patch", "patch_then_hook"])
 def test_accelerate_hook_survives_patch_and_revert(hook_first):
     """An accelerate hook on an experts module, added before or after apply_moe_ops: the hook
     runs while patched and still runs after revert_moe_ops, which restores the original
     experts forward under it."""
-    hooks, hook = _counting_hook()
-    model = make_model("qwen3_moe")
-    ids = input_ids()
-    ref, _ = _run(model, ids)
+    hooks, hook, model, ids, ref = _hook_case("qwen3_moe")
     experts = _experts_modules(model)[0]
     if hook_first:
         hooks.add_hook_to_module(experts, hook)
@@ -409,10 +415,7 @@ def test_accelerate_hook_survives_patch_and_revert(hook_first):
 def test_accelerate_hook_removed_while_patched():
     """Patched under a hook, then the hook removed (accelerate moves the patched forward back to
     `forward`): the model stays patched, and revert_moe_ops then unpatches it."""
-    hooks, hook = _counting_hook()
-    model = make_model("olmoe")
-    ids = input_ids()
-    ref, _ = _run(model, ids)
+    hooks, hook, model, ids, ref = _hook_case("olmoe")
     for experts in _experts_modules(model):
         hooks.add_hook_to_module(experts, hook)
     apply_moe_ops(model)
@@ -432,10 +435,7 @@ def test_apply_after_accelerate_hook_removed():
     """accelerate's remove_hook_from_module leaves the class forward, bound, as an instance
     attribute: that is not another library's wrapper, and apply_moe_ops patches over it (and
     revert puts it back)."""
-    hooks, hook = _counting_hook()
-    model = make_model("mixtral")
-    ids = input_ids()
-    ref, _ = _run(model, ids)
+    hooks, hook, model, ids, ref = _hook_case("mixtral")
     for experts in _experts_modules(model):
         hooks.add_hook_to_module(experts, hook)
         hooks.remove_hook_from_module(experts)

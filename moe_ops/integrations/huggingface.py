@@ -330,10 +330,10 @@ def _unpatch_instance(module):
     after `apply_moe_ops` moves it from `forward` to `_old_forward` (the hook stays and calls the
     restored forward); a hook removed after it moves it from `_old_forward` to `forward`."""
     d = module.__dict__
-    attr, prev = d.pop(_SAVED)
+    _, prev = d.pop(_SAVED)   # (the attribute patched then: the patch may have moved since)
     if prev is not None and _is_class_forward(prev, module):
         prev = None
-    for name in dict.fromkeys((attr, "forward", "_old_forward")):
+    for name in ("forward", "_old_forward"):
         if not _is_our_patch(d.get(name), module):
             continue
         if prev is not None:

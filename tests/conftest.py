@@ -12,7 +12,7 @@ import moe_ops  # noqa: F401  (registers torch.ops.moe.*)
 # with the variable set).
 import moe_ops.launch.dispatch_backward  # noqa: F401,E402
 import moe_ops.launch.routing  # noqa: F401,E402
-from moe_ops.debug import OpCounter  # noqa: E402,F401  (the tests import it from here)
+from moe_ops.tools.debug import OpCounter  # noqa: E402,F401  (the tests import it from here)
 
 # Every fast launch (moe_ops.launch.fast) in the tests is checked against the kernel Triton's JIT
 # would pick (CUDA only; GPU tests).

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def compile_check():
-    cc = pytest.importorskip("moe_ops.compile_check")
+    cc = pytest.importorskip("moe_ops.tools.compile_check")
     try:
         import triton
         import triton.language as tl

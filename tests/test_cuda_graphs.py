@@ -22,7 +22,7 @@ from torch.export import Dim
 import moe_ops  # noqa: F401  (registers torch.ops.moe.*)
 from conftest import rel_err
 from moe_block import MoEBlock, route
-from moe_ops.bench import capture_graph
+from moe_ops.tools._timing import capture_graph
 from moe_ops.reference import dispatch_reference
 
 pytestmark = [pytest.mark.gpu,

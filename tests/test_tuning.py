@@ -136,7 +136,7 @@ def test_broken_table_error_names_the_file(tmp_path, text):
     tables._load.cache_clear()
     path = tables.table_path("Broken GPU", tmp_path)
     path.write_text(text)
-    with pytest.raises(ValueError, match="Broken_GPU.json.*python -m moe_ops.tune"):
+    with pytest.raises(ValueError, match="Broken_GPU.json.*moe-ops-tune"):
         tables.lookup(64, 128, 8, 2048, 768, torch.bfloat16, "Broken GPU", tmp_path)
     tables._load.cache_clear()
 
@@ -144,7 +144,7 @@ def test_broken_table_error_names_the_file(tmp_path, text):
 def test_tune_refuses_a_broken_table_before_measuring(tmp_path, capsys):
     """The CLI merges into the existing table: a broken one is reported up front (it failed the
     write at the end, after every candidate had been timed)."""
-    from moe_ops import tune
+    from moe_ops.tools import tune
 
     tables._load.cache_clear()
     tables.table_path("cpu-interpreter", tmp_path).write_text('{"version": 1, "entries": [')
@@ -330,7 +330,7 @@ def test_alignment_launch_options_follow_the_forward(T, pdl):
     captured on CPU tensors with the Hopper options on (moe_ops.compile_check.capture)."""
     import dataclasses
 
-    from moe_ops.compile_check import forward_launches
+    from moe_ops.tools.compile_check import forward_launches
 
     H, I, E, K = 64, 32, 16, 4
     cfg = dataclasses.replace(heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16), pdl=pdl)
@@ -368,7 +368,7 @@ def test_no_tma_descriptors_before_sm90(monkeypatch):
 
 
 def test_tune_cli_smoke_through_interpreter(interpreter, tmp_path, capsys):
-    from moe_ops import tune
+    from moe_ops.tools import tune
 
     tune.main(["--shape", "24,20,4,2", "--tokens", "1", "9", "--device", "cpu", "--dtype",
                "float32", "--out-dir", str(tmp_path)])
@@ -396,7 +396,7 @@ def test_neighbours_distinct_and_valid(T, dtype):
 
 
 def test_tune_quick_uses_neighbours():
-    from moe_ops import tune
+    from moe_ops.tools import tune
     from moe_ops.tuning.heuristics import neighbours
 
     base = heuristic_config(512, 8, 2, 4096, 14336, "cuda", torch.bfloat16)

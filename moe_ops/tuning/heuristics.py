@@ -211,7 +211,7 @@ def heuristic_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
 def neighbours(base: DispatchConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, DispatchConfig]:
     """A dozen variants of a heuristic config, named: the ones the H200 sweeps of
     benchmarks/NOTES.md (entries 11-12) found to matter per regime. `benchmarks/sweep_forward.py`
-    times them; `python -m moe_ops.tune --quick` picks the best of them per token count (~10
+    times them; `moe-ops-tune --quick` picks the best of them per token count (~10
     candidates instead of ~100). float32 variants keep 32-deep steps and <= 3 stages (shared
     memory). Duplicates of the base or of each other are dropped; the base comes first."""
     r = replace

@@ -1,9 +1,9 @@
-"""Tuned dispatch configurations per device: JSON tables written by `python -m moe_ops.tune`,
+"""Tuned dispatch configurations per device: JSON tables written by `moe-ops-tune`,
 looked up by problem shape with the nearest measured token count; the heuristic in
 `moe_ops.tuning.heuristics` is the fallback when a device or shape has no table.
 
 Where: one file per device, <device name>.json (characters other than letters, digits, "-" and
-"." replaced by underscores). `python -m moe_ops.tune` writes to $MOE_OPS_TUNING_DIR when set,
+"." replaced by underscores). `moe-ops-tune` writes to $MOE_OPS_TUNING_DIR when set,
 else to the user's cache ($XDG_CACHE_HOME or ~/.cache, then moe_ops/tuning), never into the
 installed package. Lookup reads $MOE_OPS_TUNING_DIR alone when it is set; else the user's
 table, then one shipped in the package (moe_ops/tuning/configs; none ships today).
@@ -53,7 +53,7 @@ def table_path(device_name: str, directory: str | os.PathLike | None = None) -> 
     base = directory or os.environ.get("MOE_OPS_TUNING_DIR") or user_dir()
     if base is None:
         raise RuntimeError("no home directory for the tuned tables: set MOE_OPS_TUNING_DIR or "
-                           "pass a directory (python -m moe_ops.tune --out-dir)")
+                           "pass a directory (moe-ops-tune --out-dir)")
     return Path(base) / _file_name(device_name)
 
 
@@ -117,7 +117,7 @@ def _load(path: str) -> dict | None:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"moe_ops: the tuned table {p} is not a valid version-{FORMAT_VERSION} "
                          f"table ({type(e).__name__}: {e}); delete it or re-run "
-                         "python -m moe_ops.tune to write a new one") from e
+                         "moe-ops-tune to write a new one") from e
     return table
 
 

@@ -9,7 +9,7 @@ interpreter runs but the compiler rejects (DispatchConfig.tma_pair did not compi
 session because only the interpreter had run it), shared memory over the limit, and where the
 tensor-core (wgmma) and async-copy instructions went. It does not prove a kernel correct or fast.
 
-    python -m moe_ops.compile_check [--shapes qwen3_30b_a3b ...] [--tokens 1 2048] [--dtype bfloat16]
+    python -m moe_ops.tools.compile_check [--shapes qwen3_30b_a3b ...] [--tokens 1 2048] [--dtype bfloat16]
         [--neighbours] [--dump DIR]
 
 needs a Triton whose NVIDIA backend carries ptxas (the PyPI wheels do)."""
@@ -186,7 +186,7 @@ def forward_launches(shape, T, cfg, dtype, backward=False, rows_per_expert=None)
 
 
 def main(argv=None) -> int:
-    from moe_ops._cli import token_count
+    from moe_ops.tools._cli import token_count
     from moe_ops.tuning.heuristics import heuristic_config, neighbours
     from moe_ops.tuning.shapes import SHAPES
 

@@ -1,8 +1,8 @@
 """Tune moe.dispatch kernel configurations for this GPU and write them to its table.
 
-    python -m moe_ops.tune --shapes qwen3_30b_a3b olmoe --tokens 1 8 32 128 512 2048 8192
-    python -m moe_ops.tune --shape 4096,14336,8,2 --tokens 1 64    # H,I,E,K
-    python -m moe_ops.tune --quick --shapes mixtral_8x7b             # ~10 candidates per T
+    moe-ops-tune --shapes qwen3_30b_a3b olmoe --tokens 1 8 32 128 512 2048 8192
+    moe-ops-tune --shape 4096,14336,8,2 --tokens 1 64    # H,I,E,K
+    moe-ops-tune --quick --shapes mixtral_8x7b             # ~10 candidates per T
 
 Every candidate's output is checked against the heuristic config's output before it is timed
 (CUDA-graph replay, median of triton.testing.do_bench: no host overhead in the figure). The best
@@ -23,8 +23,8 @@ import time
 import torch
 
 import moe_ops  # noqa: F401  (registers the ops)
-from moe_ops._cli import device as cli_device
-from moe_ops._cli import output_dir, token_count
+from moe_ops.tools._cli import device as cli_device
+from moe_ops.tools._cli import output_dir, token_count
 from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.ops.samples import make_dispatch_inputs
 from moe_ops.tuning.heuristics import DispatchConfig, heuristic_config, neighbours
@@ -58,7 +58,7 @@ def _time(fn, device_type):
         return (time.perf_counter() - t0) * 1e3
     import triton
 
-    from moe_ops.bench import capture_graph
+    from moe_ops.tools._timing import capture_graph
 
     fn()
     graph, _ = capture_graph(fn)
@@ -106,7 +106,7 @@ def _shape(parser, text):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m moe_ops.tune", description=__doc__,
+    p = argparse.ArgumentParser(prog="moe-ops-tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="*", default=[], choices=sorted(SHAPES))
     p.add_argument("--shape", action="append", default=[], help="H,I,E,K")

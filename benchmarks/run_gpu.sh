@@ -21,9 +21,10 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
       > "$out/gpu_tests_$name.log" 2>&1
     echo "[$name] rc=$? $(tail -1 "$out/gpu_tests_$name.log")"
   }
-  run_group forward tests/test_gpu.py -k "not backward" &
-  run_group backward tests/test_gpu.py -k backward &
-  run_group rest tests --ignore=tests/test_gpu.py &
+  run_group forward tests/test_dispatch_gpu.py tests/test_route_gpu.py &
+  run_group backward tests/test_dispatch_backward_gpu.py &
+  run_group rest tests --ignore=tests/test_dispatch_gpu.py --ignore=tests/test_route_gpu.py \
+    --ignore=tests/test_dispatch_backward_gpu.py &
   wait
   grep -h "^FAILED\|^ERROR" "$out"/gpu_tests_*.log | head -20
 fi

@@ -273,7 +273,7 @@ def test_roofline_series_uses_the_best_time_and_leaves_gaps():
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
 def test_benchmark_scripts_import(script, monkeypatch):
     """The GPU-only scripts under benchmarks/ are not run here, but they must import against
-    the current package (a renamed helper shows up in CI, not on the next GPU session)."""
+    the current package (a renamed helper shows up in CI, not on the next GPU run)."""
     mod = _import_benchmark_script(script, monkeypatch)
     assert callable(getattr(mod, "main", None)), script
 

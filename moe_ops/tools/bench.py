@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 
 import moe_ops  # registers torch.ops.moe.*
+from moe_ops import _env
 from moe_ops.tools import baselines as bl
 from moe_ops.tools._timing import capture_graph  # noqa: F401  (re-exported)
 from moe_ops.tools._cli import device as cli_device
@@ -187,8 +188,8 @@ def git_sha() -> str:
     """The checkout's commit (with -dirty for uncommitted changes to tracked files), when moe_ops
     is imported from a git checkout; "unknown" for an installed copy (whose site-packages may sit
     inside some other repository)."""
-    if os.environ.get("MOE_OPS_COMMIT"):   # the device machine gets the tree without .git
-        return os.environ["MOE_OPS_COMMIT"]
+    if _env.commit():   # a copied tree without .git
+        return _env.commit()
     root = os.path.dirname(os.path.dirname(os.path.abspath(moe_ops.__file__)))
     try:
         git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True,  # noqa: E731

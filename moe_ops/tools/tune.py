@@ -27,7 +27,8 @@ from moe_ops.tools._cli import device as cli_device
 from moe_ops.tools._cli import output_dir, token_count
 from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.ops.samples import make_dispatch_inputs
-from moe_ops.tuning.heuristics import DispatchConfig, heuristic_config, neighbours
+from moe_ops.tuning.configs import DispatchConfig
+from moe_ops.tuning.heuristics import heuristic_config, neighbours
 from moe_ops.tuning.shapes import SHAPES
 from moe_ops.tuning.tables import config_to_dict, read_table, write_table
 
@@ -35,7 +36,7 @@ from moe_ops.tuning.tables import config_to_dict, read_table, write_table
 def candidates(T, E, K, H, I, dtype, device_type, quick=False):
     base = heuristic_config(T, E, K, H, I, device_type, dtype)
     if device_type != "cuda":
-        return [base, dataclasses.replace(base, block_n1=16, block_n2=16)]
+        return [base, dataclasses.replace(base, gate_up_block_n=16, down_block_n=16)]
     if quick:
         return list(neighbours(base, dtype).values())
     rows = T * K / max(E, 1)
@@ -46,7 +47,9 @@ def candidates(T, E, K, H, I, dtype, device_type, quick=False):
             [(4, 3), (4, 4), (8, 3)]):
         if dtype == torch.float32:
             bk1, bk2 = min(bk1, 32), min(bk2, 32)
-        out.add(DispatchConfig(bm, bn1, bk1, bn2, bk2, warps, stages, base.group_m))
+        out.add(DispatchConfig(block_m=bm, gate_up_block_n=bn1, gate_up_block_k=bk1,
+                               down_block_n=bn2, down_block_k=bk2, num_warps=warps,
+                               num_stages=stages, group_m=base.group_m))
     return sorted(out, key=lambda c: dataclasses.astuple(c))
 
 
@@ -131,7 +134,8 @@ def main(argv=None):
         p.error(str(e))
     dtype = getattr(torch, args.dtype)
     if device.type == "cpu":
-        from moe_ops._runtime import interpret_enabled, require_interpreter
+        from moe_ops._runtime import interpret_enabled
+        from moe_ops.launch._common import require_interpreter
 
         if not interpret_enabled():
             p.error("on CPU, set TRITON_INTERPRET=1 (a smoke test through Triton's interpreter)")

@@ -19,17 +19,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
   # Three pytest processes share the GPU: most of the time is Triton compiling on the CPU. Peak
   # memory of the three together stays under ~100 GiB (DeepSeek-V3 float32 parity is the largest).
-  # The three groups partition the GPU tests: backward tests, the forward tests of the GPU test
-  # files (tests/test_gpu*.py), and everything else.
+  # The three groups partition the GPU tests: the forward GPU files, the backward one, the rest.
   run_group() {  # name, pytest args...
     local name=$1; shift
     timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 "$@" \
       > "$out/gpu_tests_$name.log" 2>&1
     echo "[$name] rc=$? $(tail -1 "$out/gpu_tests_$name.log")"
   }
-  run_group forward tests/test_gpu*.py -k "not backward" &
-  run_group backward tests -k backward &
-  run_group rest tests --ignore-glob="tests/test_gpu*.py" -k "not backward" &
+  run_group forward tests/test_dispatch_gpu.py tests/test_route_gpu.py &
+  run_group backward tests/test_dispatch_backward_gpu.py &
+  run_group rest tests --ignore=tests/test_dispatch_gpu.py --ignore=tests/test_route_gpu.py \
+    --ignore=tests/test_dispatch_backward_gpu.py &
   wait
   grep -h "^FAILED\|^ERROR" "$out"/gpu_tests_*.log | head -20
 fi
@@ -46,7 +46,7 @@ if [ "$stage" = bench ] || [ "$stage" = all ]; then
     timeout "${DECODE_TIMEOUT:-90}" python3 examples/cuda_graph_decode.py > "$out/decode.log" 2>&1
     echo "cuda_graph_decode rc=$?"; tail -12 "$out/decode.log"
   fi
-  if [ "${EXAMPLE_TIMEOUT:-0}" != 0 ]; then
+  if [ "${EXAMPLE_TIMEOUT:-0}" != 0 ]; then   # the training example (off by default)
     timeout "$EXAMPLE_TIMEOUT" python3 examples/train_moe.py --device cuda > "$out/train_moe.log" 2>&1
     echo "train_moe rc=$?"; tail -8 "$out/train_moe.log"
   fi

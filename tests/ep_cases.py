@@ -1,0 +1,312 @@
+"""Cases of the expert-parallel tests, run inside every rank of a spawned process group
+(tests/test_distributed.py: gloo on the CPU; benchmarks/ep_gpu_check.py: NCCL on GPUs).
+
+Each case builds the same global problem on every rank from a shared seed (full weights, every
+rank's tokens and routing), runs `expert_parallel_dispatch` on this rank's share, and compares
+forward and backward with single-process `moe_ops.dispatch` on the full weights (float64 on the
+CPU: the reference path; on CUDA the same dtype's kernels, compared against float64). A case
+returns None or raises; `run_cases` records the outcome per case without stopping, so that one
+failing comparison does not desynchronise the ranks' collectives."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import moe_ops
+from moe_ops.distributed import ExpertParallelGroup, even_shard, expert_parallel_dispatch
+
+# relative error bounds against the float64 reference (the distributed sum adds one rounding
+# of each rank's partial output in the input dtype)
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert not torch.isnan(a).any(), "NaN in the result"
+    return ((a - b).norm() / max(b.norm().item(), 1e-30)).item()
+
+
+def _problem(W, *, E, H, I, K, tokens, seed, route="random", pad_frac=0.0, dtype, device):
+    """Global weights, per-rank tokens/routing (lists), all identical on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * I, H, generator=g, dtype=torch.float64) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=g, dtype=torch.float64) / I ** 0.5
+    per = []
+    for r in range(W):
+        T = tokens[r]
+        x = torch.randn(T, H, generator=g, dtype=torch.float64)
+        if route == "random":
+            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
+                torch.zeros(0, K, dtype=torch.long)
+        elif isinstance(route, tuple) and route[0] == "experts":   # only these experts
+            pool = torch.tensor(route[1])
+            ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:K]]
+                               for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.long)
+        elif route == "round_robin":   # K = 1, token t to rank t % W: T / W rows per rank
+            E_local = E // W
+            ids = ((torch.arange(T) % W) * E_local).unsqueeze(1)
+        else:
+            raise ValueError(route)
+        if pad_frac and T:
+            drop = torch.rand(T, K, generator=g) < pad_frac
+            ids = torch.where(drop, -1, ids)
+        w = torch.rand(T, K, generator=g, dtype=torch.float64) + 0.1
+        gout = torch.randn(T, H, generator=g, dtype=torch.float64)
+        per.append(dict(x=x, ids=ids.to(torch.int32), w=w, gout=gout))
+    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    w13, w2 = cast(w13), cast(w2)
+    for p in per:
+        p["x"], p["gout"] = cast(p["x"]), cast(p["gout"])
+        p["w"] = p["w"].to(device=device, dtype=torch.float32 if dtype != torch.float64 else dtype)
+        p["ids"] = p["ids"].to(device)
+    return w13, w2, per
+
+
+def _reference(w13, w2, per, replicated):
+    """Single-process moe.dispatch on the full weights, forward and backward, float64 oracle
+    (CPU reference in float64; on CUDA the kernels' dtype, compared by the caller)."""
+    dev = w13.device
+    if replicated:
+        per = per[:1]
+    x = torch.cat([p["x"] for p in per]).double().cpu().requires_grad_()
+    w = torch.cat([p["w"] for p in per]).double().cpu().requires_grad_()
+    ids = torch.cat([p["ids"] for p in per]).cpu()
+    a = w13.double().cpu().requires_grad_()
+    b = w2.double().cpu().requires_grad_()
+    out = moe_ops.dispatch(x, a, b, w, ids)
+    gout = torch.cat([p["gout"] for p in per]).double().cpu()
+    (out * gout).sum().backward()
+    del dev
+    return out.detach(), x.grad, w.grad, a.grad, b.grad
+
+
+def check_parity(rank, W, group, *, E, H=8, I=6, K=2, tokens=None, mode="all_to_all",
+                 sync_free=False, capacity=None, shards=None, route="random", pad_frac=0.0,
+                 dtype=torch.float64, device="cpu", seed=0, backward=True, use_epg=False,
+                 **kwargs):
+    tokens = tokens or [5] * W
+    replicated = mode == "replicated"
+    if replicated:
+        tokens = [tokens[0]] * W
+    w13, w2, per = _problem(W, E=E, H=H, I=I, K=K, tokens=tokens, seed=seed, route=route,
+                            pad_frac=pad_frac, dtype=dtype, device=device)
+    first, count = shards[rank] if shards else even_shard(E, W, rank)
+    mine = per[0] if replicated else per[rank]
+    x = mine["x"].clone().requires_grad_(backward)
+    w = mine["w"].clone().requires_grad_(backward)
+    a = w13[first:first + count].clone().requires_grad_(backward)
+    b = w2[first:first + count].clone().requires_grad_(backward)
+    grp = group
+    if use_epg:
+        grp = ExpertParallelGroup.setup(a, b, first_expert=first, num_experts=E, group=group)
+    out = expert_parallel_dispatch(x, a, b, w, mine["ids"], first_expert=first, num_experts=E,
+                                   group=grp, mode=mode, sync_free=sync_free, capacity=capacity,
+                                   **kwargs)
+    ref_out, gx, gw, ga, gb = _reference(w13, w2, per, replicated)
+    rows = slice(0, tokens[0]) if replicated else slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
+    tol = TOL[dtype]
+    assert out.shape == x.shape and out.dtype == x.dtype, (out.shape, out.dtype)
+    errs = {"out": _rel(out.cpu(), ref_out[rows])}
+    if backward:
+        (out * mine["gout"]).sum().backward()
+        errs.update(hidden=_rel(x.grad.cpu(), gx[rows]), topk_weights=_rel(w.grad.cpu(), gw[rows]),
+                    w13=_rel(a.grad.cpu(), ga[first:first + count]),
+                    w2=_rel(b.grad.cpu(), gb[first:first + count]))
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    assert not bad, f"rank {rank}: relative errors above {tol}: {bad} (all: {errs})"
+
+
+def _expect(exc_type, text, fn):
+    try:
+        fn()
+    except exc_type as e:
+        assert text in str(e), f"expected {text!r} in: {e}"
+        return
+    raise AssertionError(f"no {exc_type.__name__} raised (expected {text!r})")
+
+
+# ------------------------------------------------------------------------------------------------
+# Cases: name -> fn(rank, W, group, device, dtype)
+
+
+def _cases():
+    c = {}
+    for mode in ("all_to_all", "replicated"):
+        m = "a2a" if mode == "all_to_all" else "rep"
+        c[f"{m}_random"] = lambda r, W, g, d, t, mode=mode: check_parity(
+            r, W, g, E=8, K=3, mode=mode, device=d, dtype=t, seed=1)
+        c[f"{m}_one_rank_gets_all"] = lambda r, W, g, d, t, mode=mode: check_parity(
+            r, W, g, E=8, K=2, mode=mode, route=("experts", [6, 7]), device=d, dtype=t, seed=2)
+        c[f"{m}_k_above_local_experts"] = lambda r, W, g, d, t, mode=mode: check_parity(
+            r, W, g, E=W * 2, K=3, mode=mode, device=d, dtype=t, seed=3)
+        c[f"{m}_padding_ids"] = lambda r, W, g, d, t, mode=mode: check_parity(
+            r, W, g, E=8, K=3, mode=mode, pad_frac=0.4, device=d, dtype=t, seed=4)
+        c[f"{m}_uneven_shards"] = lambda r, W, g, d, t, mode=mode: check_parity(
+            r, W, g, E=2 * W - 1, K=2, mode=mode, device=d, dtype=t, seed=5)
+        c[f"{m}_rank_without_experts"] = lambda r, W, g, d, t, mode=mode: check_parity(
+            r, W, g, E=W - 1, K=1, mode=mode, device=d, dtype=t, seed=6)
+        c[f"{m}_epg_shuffled_shards"] = lambda r, W, g, d, t, mode=mode: check_parity(
+            r, W, g, E=3 * W, K=2, mode=mode, use_epg=True, device=d, dtype=t, seed=7,
+            shards=[(3 * (W - 1 - q), 3) for q in range(W)])
+    # token counts that differ per rank, one rank without tokens
+    c["a2a_rank_with_no_tokens"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=8, K=2, tokens=[0] + [3 + q for q in range(1, W)], device=d, dtype=t, seed=8)
+    c["a2a_all_ranks_one_token"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=8, K=2, tokens=[1] * W, device=d, dtype=t, seed=9)
+    c["rep_no_tokens"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=8, K=2, tokens=[0] * W, mode="replicated", device=d, dtype=t, seed=10)
+    # sync-free: worst-case buffers, and a capacity below T that suffices
+    c["sf_random"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=8, K=3, sync_free=True, device=d, dtype=t, seed=11)
+    c["sf_padding_uneven_k_above"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=2 * W - 1, K=3, sync_free=True, pad_frac=0.3, device=d, dtype=t, seed=12)
+    c["sf_one_rank_gets_all"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=8, K=2, sync_free=True, route=("experts", [0, 1]), device=d, dtype=t, seed=13)
+    c["sf_capacity_enough"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=4 * W, K=1, sync_free=True, capacity=2, tokens=[2 * W] * W,
+        route="round_robin", device=d, dtype=t, seed=14)
+    c["sf_no_tokens"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=8, K=2, sync_free=True, tokens=[0] * W, capacity=2, device=d, dtype=t,
+        seed=15)
+    c["sf_capacity_overflow_raises"] = _case_overflow
+    c["a2a_float32"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=8, K=2, device=d, dtype=torch.float32 if t == torch.float64 else t,
+        seed=16, H=12, I=10)
+    c["a2a_activation_kwarg"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=8, K=2, device=d, dtype=t, seed=17, activation="silu")
+    c["setup_errors"] = _case_setup_errors
+    c["ids_beyond_e_checked"] = _case_ids_check
+    c["dynamo_explain"] = _case_explain
+    return c
+
+
+def _case_overflow(rank, W, group, device, dtype):
+    # every rank sends all its 4 tokens to rank 0 (experts [0, 1]) with capacity 2: every rank
+    # raises before its first collective (on CUDA it is a device-side assert instead)
+    w13, w2, per = _problem(W, E=2 * W, H=8, I=6, K=1, tokens=[4] * W, seed=20,
+                            route=("experts", [0, 1]), dtype=dtype, device=device)
+    first, count = even_shard(2 * W, W, rank)
+    p = per[rank]
+    _expect(RuntimeError, "capacity = 2", lambda: expert_parallel_dispatch(
+        p["x"], w13[first:first + count], w2[first:first + count], p["w"], p["ids"],
+        first_expert=first, num_experts=2 * W, group=group, sync_free=True, capacity=2))
+
+
+def _case_setup_errors(rank, W, group, device, dtype):
+    H, I = 8, 6
+
+    def shard(n, dt=dtype, h=H):
+        return (torch.zeros(n, 2 * I, h, dtype=dt, device=device),
+                torch.zeros(n, h, I, dtype=dt, device=device))
+    # overlapping shards: every rank claims experts [0, 2)
+    a, b = shard(2)
+    _expect(ValueError, "do not tile", lambda: ExpertParallelGroup.setup(
+        a, b, first_expert=0, num_experts=2 * W, group=group))
+    # a gap: shards too small for num_experts
+    _expect(ValueError, "cover [0,", lambda: ExpertParallelGroup.setup(
+        a, b, first_expert=2 * rank, num_experts=2 * W + 1, group=group))
+    # num_experts disagrees
+    _expect(ValueError, "num_experts differs", lambda: ExpertParallelGroup.setup(
+        a, b, first_expert=2 * rank, num_experts=2 * W + rank, group=group))
+    # H disagrees
+    a2, b2 = shard(2, h=H + rank)
+    _expect(ValueError, "hidden size H", lambda: ExpertParallelGroup.setup(
+        a2, b2, first_expert=2 * rank, num_experts=2 * W, group=group))
+    # dtypes differ across ranks
+    other = torch.float32 if dtype != torch.float32 else torch.float64
+    a3, b3 = shard(2, dt=dtype if rank == 0 else other)
+    _expect(TypeError, "dtype differs across ranks", lambda: ExpertParallelGroup.setup(
+        a3, b3, first_expert=2 * rank, num_experts=2 * W, group=group))
+    # the good one, and a call whose arguments contradict it
+    epg = ExpertParallelGroup.setup(a, b, first_expert=2 * rank, num_experts=2 * W, group=group)
+    assert epg.starts == tuple(2 * q for q in range(W)) and epg.counts == (2,) * W
+    x = torch.zeros(3, H, dtype=dtype, device=device)
+    ids = torch.zeros(3, 1, dtype=torch.int32, device=device)
+    w = torch.ones(3, 1, dtype=dtype, device=device)
+    _expect(ValueError, "do not match the ExpertParallelGroup", lambda: expert_parallel_dispatch(
+        x, a, b, w, ids, first_expert=2 * rank + 1, num_experts=2 * W, group=epg))
+    _expect(ValueError, "mode must be one of", lambda: expert_parallel_dispatch(
+        x, a, b, w, ids, first_expert=2 * rank, num_experts=2 * W, group=epg, mode="bogus"))
+    _expect(ValueError, "capacity applies", lambda: expert_parallel_dispatch(
+        x, a, b, w, ids, first_expert=2 * rank, num_experts=2 * W, group=epg, capacity=3))
+
+
+def _case_ids_check(rank, W, group, device, dtype):
+    w13, w2, per = _problem(W, E=2 * W, H=8, I=6, K=2, tokens=[3] * W, seed=21, dtype=dtype,
+                            device=device)
+    first, count = even_shard(2 * W, W, rank)
+    p = per[rank]
+    bad = p["ids"].clone()
+    bad[1, 0] = 2 * W + 5
+    old = os.environ.get("MOE_OPS_CHECK")
+    os.environ["MOE_OPS_CHECK"] = "1"
+    try:
+        _expect(ValueError, f"expert id {2 * W + 5}", lambda: expert_parallel_dispatch(
+            p["x"], w13[first:first + count], w2[first:first + count], p["w"], bad,
+            first_expert=first, num_experts=2 * W, group=group))
+    finally:
+        if old is None:
+            del os.environ["MOE_OPS_CHECK"]
+        else:
+            os.environ["MOE_OPS_CHECK"] = old
+
+
+def _case_explain(rank, W, group, device, dtype):
+    """torch._dynamo.explain: zero graph breaks for sync_free and replicated; the default
+    all-to-all breaks at its one host read of the split sizes."""
+    E, H, I, K = 2 * W, 8, 6, 2
+    w13, w2, per = _problem(W, E=E, H=H, I=I, K=K, tokens=[4] * W, seed=22, dtype=dtype,
+                            device=device)
+    first, count = even_shard(E, W, rank)
+    a, b = w13[first:first + count], w2[first:first + count]
+    epg = ExpertParallelGroup.setup(a, b, first_expert=first, num_experts=E, group=group)
+    p = per[rank]
+    breaks = {}
+    for name, kw in (("sync_free", dict(sync_free=True)), ("replicated", dict(mode="replicated")),
+                     ("default", {})):
+        def f(x, w, ids, kw=kw):
+            return expert_parallel_dispatch(x, a, b, w, ids, first_expert=first, num_experts=E,
+                                            group=epg, **kw)
+        torch._dynamo.reset()
+        ex = torch._dynamo.explain(f)(p["x"], p["w"], p["ids"])
+        breaks[name] = (ex.graph_break_count, [str(r.reason)[:120] for r in ex.break_reasons])
+    assert breaks["sync_free"][0] == 0, breaks
+    assert breaks["replicated"][0] == 0, breaks
+    assert breaks["default"][0] >= 1, breaks
+
+
+CASES = _cases()
+
+
+def run_cases(rank, W, init, names, out_dir, device="cpu", dtype=torch.float64,
+              timeout_s=20.0):
+    """Worker of one rank: init the group (`init`: a FileStore path for gloo, or "env" for
+    torchrun), run the named cases, write {name: "ok" | traceback} to out_dir/rank<r>.json."""
+    backend = "gloo" if device == "cpu" else "nccl"
+    if device != "cpu":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
+    if init == "env":
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    else:
+        dist.init_process_group(backend, store=dist.FileStore(init, W), rank=rank, world_size=W,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        for name in names:
+            try:
+                CASES[name](rank, W, dist.group.WORLD, device, dtype)
+                results[name] = "ok"
+            except Exception:  # noqa: BLE001  recorded, reported by the parent
+                results[name] = traceback.format_exc()
+            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+                json.dump(results, f)
+    finally:
+        dist.destroy_process_group()

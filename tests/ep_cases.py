@@ -183,6 +183,9 @@ def _cases():
     c["setup_errors"] = _case_setup_errors
     c["ids_beyond_e_checked"] = _case_ids_check
     c["dynamo_explain"] = _case_explain
+    c["hf_apply_moe_ops_expert_parallel"] = _case_hf_apply
+    c["hf_shard_experts_replicated"] = _case_hf_replicated
+    c["hf_transformers_ep_plan"] = _case_hf_plan
     return c
 
 
@@ -279,6 +282,113 @@ def _case_explain(rank, W, group, device, dtype):
     assert breaks["sync_free"][0] == 0, breaks
     assert breaks["replicated"][0] == 0, breaks
     assert breaks["default"][0] >= 1, breaks
+
+
+# ------------------------------------------------------------------------------------------------
+# transformers
+
+
+def _tiny_qwen3_moe(num_experts=5):
+    """A tiny random Qwen3-MoE (the same on every rank: seeded). 5 experts: uneven shards."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         intermediate_size=48, moe_intermediate_size=24, num_experts=num_experts,
+                         num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = Qwen3MoeForCausalLM(cfg).to(torch.float64).eval()
+    model.set_experts_implementation("eager")   # (grouped_mm has no float64)
+    return model
+
+
+def _batches(W, seq=6):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 128, (1 + r % 2, seq), generator=g) for r in range(W)]
+
+
+def _case_hf_apply(rank, W, group, device, dtype):
+    """apply_moe_ops(model, expert_parallel_group=...): each rank runs its own batch; logits and
+    the local experts' gradients equal the single-device model's."""
+    from moe_ops.debug import OpCounter
+    from moe_ops.integrations.hf_expert_parallel import is_expert_parallel
+    from moe_ops.integrations.huggingface import apply_moe_ops
+
+    batches = _batches(W)
+    # the reference runs moe_ops on one process (moe.route's float32 weights, as the EP model):
+    # the comparison isolates expert parallelism
+    ref = apply_moe_ops(_tiny_qwen3_moe())
+    ref_logits = [ref(b).logits for b in batches]
+    sum(lg.square().mean() for lg in ref_logits).backward()
+    ref_grads = [blk.mlp.experts.gate_up_proj.grad for blk in ref.model.layers]
+    model = apply_moe_ops(_tiny_qwen3_moe(), expert_parallel_group=group)
+    assert is_expert_parallel(model)
+    first, count = even_shard(5, W, rank)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == count
+    with OpCounter() as calls:
+        logits = model(batches[rank]).logits
+    # (with gradients moe.dispatch runs as moe.dispatch_train)
+    n = calls.counts.get("dispatch", 0) + calls.counts.get("dispatch_train", 0)
+    assert n == 2 and calls.counts.get("route", 0) == 2, calls.counts
+    err = _rel(logits.detach(), ref_logits[rank].detach())
+    assert err < 1e-10, err
+    logits.square().mean().backward()
+    for blk, g in zip(model.model.layers, ref_grads):
+        e = _rel(blk.mlp.experts.gate_up_proj.grad, g[first:first + count])
+        assert e < 1e-10, e
+
+
+def _case_hf_replicated(rank, W, group, device, dtype):
+    from moe_ops.integrations.hf_expert_parallel import shard_experts
+
+    batch = _batches(W)[1]
+    ref = _tiny_qwen3_moe()
+    with torch.no_grad():
+        ref_logits = ref(batch).logits
+        model = shard_experts(_tiny_qwen3_moe(), group, mode="replicated")
+        err = _rel(model(batch).logits, ref_logits)
+    assert err < 1e-10, err
+
+
+def _case_hf_plan(rank, W, group, device, dtype):
+    """A model loaded with transformers' own expert-parallel plan (DistributedConfig(ep_size=W),
+    both of its implementations), with and without the "moe_ops" experts implementation, gives
+    the single-device logits; apply_moe_ops refuses it with a clear error."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from moe_ops.debug import OpCounter
+    from moe_ops.integrations.huggingface import UnsupportedModelError, apply_moe_ops
+
+    # under a process group transformers saves on rank 0 only: one directory for all ranks
+    box = [tempfile.mkdtemp(prefix="ep_hf_") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    path = box[0]
+    if rank == 0:
+        _tiny_qwen3_moe(num_experts=4).save_pretrained(path)   # transformers' plan: E % W == 0
+    dist.barrier(group=group)
+    batch = _batches(W)[1]
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                               experts_implementation="eager")
+    with torch.no_grad():
+        ref_logits = ref(batch).logits
+    for impl in ("all_to_all", "all_reduce"):
+        cfg = DistributedConfig(tp_size=W, tp_plan={}, ep_size=W, ep_implementation=impl)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                     experts_implementation="eager",
+                                                     distributed_config=cfg)
+        with torch.no_grad():
+            plain = model(batch).logits
+            model.set_experts_implementation("moe_ops")
+            with OpCounter() as calls:
+                patched = model(batch).logits
+        assert calls.counts.get("dispatch", 0) == 2, (impl, calls.counts)
+        for name, lg in (("unpatched", plain), ("moe_ops", patched)):
+            err = _rel(lg, ref_logits)
+            assert err < 1e-10, (impl, name, err)
+        _expect(UnsupportedModelError, "", lambda: apply_moe_ops(model))
 
 
 CASES = _cases()

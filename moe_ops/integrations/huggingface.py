@@ -426,7 +426,7 @@ def _revert_classes():
 # Public API
 
 
-def apply_moe_ops(model: torch.nn.Module | None = None):
+def apply_moe_ops(model: torch.nn.Module | None = None, *, expert_parallel_group=None):
     """Runs the sparse MoE blocks on `moe.route` + `moe.dispatch`.
 
     With `model`: patches the router and experts of every supported block of that instance (any
@@ -436,7 +436,12 @@ def apply_moe_ops(model: torch.nn.Module | None = None):
 
     Without a model: patches the router and experts classes of every supported family, so every
     model of these families (built before or after) uses moe_ops until `revert_moe_ops()`; the
-    experts' layout is then checked at each call. Returns None."""
+    experts' layout is then checked at each call. Returns None.
+
+    `expert_parallel_group` (a torch.distributed ProcessGroup, with a model): then also
+    `moe_ops.integrations.hf_expert_parallel.shard_experts(model, group)`."""
+    if model is None and expert_parallel_group is not None:
+        raise ValueError("apply_moe_ops: expert_parallel_group needs a model instance")
     if model is None:
         loaded = _loaded_families()
         if not loaded:
@@ -458,6 +463,10 @@ def apply_moe_ops(model: torch.nn.Module | None = None):
     for router, router_attr, experts, experts_attr, fam in _plan(model):
         _patch_instance(router, fam.router_forward, router_attr)
         _patch_instance(experts, _patched_experts_forward, experts_attr)
+    if expert_parallel_group is not None:
+        from moe_ops.integrations.hf_expert_parallel import shard_experts
+
+        shard_experts(model, expert_parallel_group)
     return model
 
 

@@ -183,6 +183,7 @@ def _cases():
     c["setup_errors"] = _case_setup_errors
     c["ids_beyond_e_checked"] = _case_ids_check
     c["dynamo_explain"] = _case_explain
+    c["compiled"] = _case_compiled
     c["hf_apply_moe_ops_expert_parallel"] = _case_hf_apply
     c["hf_shard_experts_replicated"] = _case_hf_replicated
     c["hf_transformers_ep_plan"] = _case_hf_plan
@@ -282,6 +283,38 @@ def _case_explain(rank, W, group, device, dtype):
     assert breaks["sync_free"][0] == 0, breaks
     assert breaks["replicated"][0] == 0, breaks
     assert breaks["default"][0] >= 1, breaks
+
+
+def _case_compiled(rank, W, group, device, dtype):
+    """torch.compile (inductor): sync_free and replicated with fullgraph=True, the default
+    all-to-all with its graph break; forward and backward equal eager's."""
+    E, H, I, K = 2 * W, 8, 6, 2
+    w13, w2, per = _problem(W, E=E, H=H, I=I, K=K, tokens=[4] * W, seed=23, dtype=dtype,
+                            device=device)
+    first, count = even_shard(E, W, rank)
+    epg = ExpertParallelGroup.setup(w13[first:first + count], w2[first:first + count],
+                                    first_expert=first, num_experts=E, group=group)
+    p = per[rank]
+    for name, kw, full in (("sync_free", dict(sync_free=True), True),
+                           ("replicated", dict(mode="replicated"), True),
+                           ("default", {}, False)):
+        def f(x, w, a, b, ids, kw=kw):
+            return expert_parallel_dispatch(x, a, b, w, ids, first_expert=first, num_experts=E,
+                                            group=epg, **kw)
+        torch._dynamo.reset()
+        runs = []
+        for fn in (f, torch.compile(f, fullgraph=full)):
+            x = (per[0] if name == "replicated" else p)["x"].clone().requires_grad_()
+            w = (per[0] if name == "replicated" else p)["w"].clone().requires_grad_()
+            a = w13[first:first + count].clone().requires_grad_()
+            b = w2[first:first + count].clone().requires_grad_()
+            ids = (per[0] if name == "replicated" else p)["ids"]
+            out = fn(x, w, a, b, ids)
+            out.square().sum().backward()
+            runs.append((out.detach(), x.grad, w.grad, a.grad, b.grad))
+        for e, c_ in zip(*runs):
+            err = _rel(c_, e)
+            assert err < TOL[dtype], (name, err)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import ep_cases  # noqa: E402
 
 # the explain case traces with dynamo in every rank: run it once, at world size 2
 # and the transformers cases (a model load per rank)
+_SLOW = {"compiled"}   # inductor compiles in every rank: ~1 min
 _W2_ONLY = {"dynamo_explain", "hf_apply_moe_ops_expert_parallel", "hf_shard_experts_replicated",
             "hf_transformers_ep_plan"}
 
@@ -48,7 +49,7 @@ def _results(W, names, tmp_path_factory):
     return out
 
 
-_NAMES = sorted(ep_cases.CASES)
+_NAMES = sorted(set(ep_cases.CASES) - _SLOW)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,11 @@ def test_world_size_2(results_w2, name):
 @pytest.mark.parametrize("name", [n for n in _NAMES if n not in _W2_ONLY])
 def test_world_size_4(results_w4, name):
     _check(results_w4, name)
+
+
+@pytest.mark.slow
+def test_compiled(tmp_path_factory):
+    _check(_results(2, ["compiled"], tmp_path_factory), "compiled")
 
 
 def test_not_initialised():

@@ -403,15 +403,38 @@ def _replicated(hidden, w13_local, w2_local, topk_weights, ids, owner, epg, grou
 
 def _all_to_all(hidden, w13_local, w2_local, topk_weights, ids, owner, starts, epg, group_name,
                 sync_free, capacity, kwargs):
-    T, H = hidden.shape
-    K = ids.shape[1]
+    plan = _exchange_plan(owner, epg, group_name, sync_free, capacity)
+    recv_hidden, recv_w, recv_ids = _shuffle(hidden, topk_weights, ids, owner, starts, plan,
+                                             group_name)
+    out_local = _dispatch_local(recv_hidden, w13_local, w2_local, recv_w, recv_ids, kwargs)
+    return _combine(out_local, plan, group_name, hidden.dtype)
+
+
+@dataclass
+class _Plan:
+    """Where every (token, destination rank) pair travels: `row[t, d]` its send row (n_send:
+    none), `src[i]` the token of send row i (T: an unused row of a sync-free buffer), `dst[i]`
+    its destination; the split sizes; `overflow[t, d]` (sync-free with a capacity below T)."""
+    T: int
+    W: int
+    R: int
+    row: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+    n_send: int
+    send_splits: list
+    recv_splits: list
+    overflow: torch.Tensor | None
+
+
+def _exchange_plan(owner, epg, group_name, sync_free, capacity) -> _Plan:
+    T = owner.shape[0]
     W = epg.world_size
-    dev = hidden.device
+    dev = owner.device
     ranks = torch.arange(W, device=dev)
     # goes[t, d]: token t has at least one expert on rank d; pos[t, d]: its row among rank d's
     goes = (owner.unsqueeze(2) == ranks).any(1)                                    # [T, W]
     pos = goes.long().cumsum(0) - 1
-    send_counts = goes.sum(0)                                                      # [W]
     overflow = None
     if sync_free:
         C = T if capacity is None else capacity
@@ -423,25 +446,32 @@ def _all_to_all(hidden, w13_local, w2_local, topk_weights, ids, owner, starts, e
                 ~overflow.any(),
                 f"expert_parallel_dispatch: a rank sends more than capacity = {C} rows to one rank "
                 f"(sync_free=True); raise capacity (at most T_rank = {T} is ever needed)")
-        row = torch.where(keep, ranks * C + pos, W * C)                            # [T, W]
         n_send = W * C
+        row = torch.where(keep, ranks * C + pos, n_send)                           # [T, W]
+        dst = ranks.repeat_interleave(C)
     else:
+        send_counts = goes.sum(0)                                                  # [W]
         recv_counts = _a2a(send_counts, [1] * W, [1] * W, group_name)
         counts = torch.cat([send_counts, recv_counts]).tolist()   # the one host read of the call
         send_splits, recv_splits = counts[:W], counts[W:]
-        offsets = send_counts.cumsum(0) - send_counts
-        keep = goes
         n_send = sum(send_splits)
-        row = torch.where(keep, offsets + pos, n_send)
-    # the token of every send row (T: an unused row of a sync-free buffer)
+        offsets = send_counts.cumsum(0) - send_counts
+        row = torch.where(goes, offsets + pos, n_send)
+        dst = torch.repeat_interleave(ranks, send_counts, output_size=n_send)
     tok = torch.arange(T, device=dev).unsqueeze(1).expand(T, W)
     src = torch.full((n_send + 1,), T, dtype=torch.long, device=dev)
     src = src.scatter(0, row.reshape(-1), tok.reshape(-1))[:n_send]
-    dst = (torch.arange(W, device=dev).repeat_interleave(C) if sync_free else
-           torch.repeat_interleave(torch.arange(W, device=dev), send_counts,
-                                   output_size=n_send))
-    used = src < T
-    src_c = src.clamp(max=max(T - 1, 0))
+    R = min(owner.shape[1], W)   # the most rows a token sends
+    return _Plan(T, W, R, row, src, dst, n_send, send_splits, recv_splits, overflow)
+
+
+def _shuffle(hidden, topk_weights, ids, owner, starts, plan: _Plan, group_name):
+    """Sends every (token, destination) row with its K weights and K ids local to the
+    destination (-1: another rank's expert or padding). Returns the received rows, weights and
+    local ids."""
+    T, H = hidden.shape
+    K = ids.shape[1]
+    n_send, src, dst = plan.n_send, plan.src, plan.dst
     if T == 0:
         # zeros still connected to hidden and topk_weights: the backward of the exchange is a
         # collective this rank must make too
@@ -449,28 +479,43 @@ def _all_to_all(hidden, w13_local, w2_local, topk_weights, ids, owner, starts, e
         send_w = (topk_weights.sum(0, keepdim=True) * 0).expand(n_send, K)
         send_ids = ids.new_full((n_send, K), -1)
     else:
+        used = src < T
+        src_c = src.clamp(max=T - 1)
         send_hidden = hidden[src_c]
         send_w = topk_weights[src_c]
-        own = owner[src_c]
-        send_ids = torch.where((own == dst.unsqueeze(1)) & used.unsqueeze(1),
+        send_ids = torch.where((owner[src_c] == dst.unsqueeze(1)) & used.unsqueeze(1),
                                ids[src_c] - starts[dst].unsqueeze(1), -1)
     meta_dtype = torch.float64 if topk_weights.dtype == torch.float64 else torch.float32
-    # ids < 2^24 travel exactly in float32
+    # weights and ids travel together (ids < 2^24 are exact in float32)
     meta = torch.cat([send_w.to(meta_dtype), send_ids.to(meta_dtype)], 1)
-    recv_hidden, recv_meta = _AllToAll.apply(send_hidden, meta, group_name, recv_splits,
-                                             send_splits)
+    recv_hidden, recv_meta = _AllToAll.apply(send_hidden, meta, group_name, plan.recv_splits,
+                                             plan.send_splits)
     recv_w = recv_meta[:, :K].to(topk_weights.dtype)
     recv_ids = recv_meta[:, K:].detach().round().long()
-    out_local = _dispatch_local(recv_hidden, w13_local, w2_local, recv_w, recv_ids, kwargs)
-    back = _AllToAll.apply(out_local, None, group_name, send_splits, recv_splits)
-    # per-rank partial outputs summed in rank order (a gather per rank: deterministic, unlike
-    # an index_add whose float atomics reorder on CUDA)
-    back = torch.cat([back, back.new_zeros(1, H)])
-    out = torch.zeros(T, H, dtype=torch.float32 if hidden.dtype != torch.float64
-                      else torch.float64, device=dev)
-    for d in range(W):
-        out = out + back[row[:, d]]
-    out = out.to(hidden.dtype)
-    if overflow is not None:
-        out = torch.where(overflow.any(1, keepdim=True), float("nan"), out)
+    return recv_hidden, recv_w, recv_ids
+
+
+# tokens per gather in the combine: bounds its [tokens, R, H] temporary
+_COMBINE_CHUNK = 2048
+
+
+def _combine(out_local, plan: _Plan, group_name, dtype):
+    """Sends the partial outputs back and sums each token's (at most min(K, W)) partials in
+    float32, in rank order: deterministic (no atomics), one read of every partial row."""
+    back = _AllToAll.apply(out_local, None, group_name, plan.send_splits, plan.recv_splits)
+    T, H = plan.T, out_local.shape[1]
+    back = torch.cat([back, back.new_zeros(1, H)])   # row n_send: zeros
+    # each token's rows first (sorted: rank order, the zero row last), cut to the most any
+    # token has: R = min(K, W)
+    row = torch.sort(plan.row, dim=1).values[:, :plan.R]
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    parts = []
+    for t0 in range(0, T, _COMBINE_CHUNK):
+        r = row[t0:t0 + _COMBINE_CHUNK]
+        parts.append(back[r].sum(1, dtype=acc))
+    # (no tokens: an empty slice of `back`, still connected for the backward's collective)
+    out = torch.cat(parts) if parts else back[:0].to(acc)
+    out = out.to(dtype)
+    if plan.overflow is not None:
+        out = torch.where(plan.overflow.any(1, keepdim=True), float("nan"), out)
     return out

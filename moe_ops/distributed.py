@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from moe_ops._runtime import checks_enabled
 
-__all__ = ["ExpertParallelGroup", "expert_parallel_dispatch", "even_shard"]
+__all__ = ["ExpertParallelGroup", "even_shard", "expert_parallel_dispatch"]
 
 _MODES = ("all_to_all", "replicated")
 
@@ -91,7 +91,7 @@ class ExpertParallelGroup:
 
     @classmethod
     def setup(cls, w13_local: torch.Tensor, w2_local: torch.Tensor, *, first_expert: int,
-              num_experts: int, group=None) -> "ExpertParallelGroup":
+              num_experts: int, group=None) -> ExpertParallelGroup:
         """A collective (every rank of `group` calls it, with its own shard): all-gathers each
         rank's shard metadata and checks that the shards tile [0, num_experts), that H, I and the
         weight dtypes agree. Raises the same error on every rank, naming the ranks that disagree."""

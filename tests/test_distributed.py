@@ -127,8 +127,10 @@ def _dying_rank(rank, W, store_path, out_dir, timeout_s, how):
     w13, w2 = torch.randn(count, 2 * I, H), torch.randn(count, H, I)
     x, w = torch.randn(4, H), torch.rand(4, 2)
     ids = torch.randint(0, E, (4, 2), dtype=torch.int32)
-    call = lambda: expert_parallel_dispatch(x, w13, w2, w, ids, first_expert=first,  # noqa: E731
-                                            num_experts=E)
+
+    def call():
+        return expert_parallel_dispatch(x, w13, w2, w, ids, first_expert=first, num_experts=E)
+
     call()   # one good layer (and the set-up check)
     if rank == W - 1:
         if how == "stall":   # alive but never makes the next layer's collectives
@@ -171,3 +173,31 @@ def test_rank_dies_mid_layer(tmp_path, how):
 
 
 del multiprocessing
+
+
+def test_bench_ep_smoke(tmp_path):
+    """benchmarks/bench_ep.py on one gloo CPU process (the exchange itself is covered by the
+    parity cases), tiny shape: every mode reports a row per T, with the phase times of the
+    all-to-all forms."""
+    import csv
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    out = tmp_path / "ep.csv"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "bench_ep.py"), "--tiny", "--nprocs",
+         "1", "--tokens", "0", "3", "--iters", "1", "--warmup", "0", "--modes", "all_to_all",
+         "sync_free", "replicated", "--csv", str(out)],
+        check=False, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 * 3, rows   # T x modes
+    for r in rows:
+        assert float(r["layer_us"]) > 0, r
+        if r["mode"] != "replicated":
+            assert all(float(r[k]) > 0 for k in ("a2a_us", "compute_us", "combine_us")), r
+            assert r["rows_in"] == ("0" if r["T"] == "0" else "3"), r   # W = 1: every token
+    assert "a2a_us" in proc.stdout

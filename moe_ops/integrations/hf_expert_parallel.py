@@ -10,8 +10,12 @@ import functools
 import torch
 import torch.distributed as dist
 
-from moe_ops.distributed import ExpertParallelGroup, _require_initialized, even_shard, \
-    expert_parallel_dispatch
+from moe_ops.distributed import (
+    ExpertParallelGroup,
+    _require_initialized,
+    even_shard,
+    expert_parallel_dispatch,
+)
 
 # Instance attribute of a sharded experts module: its ExpertParallelGroup and call options.
 _EP = "_moe_ops_expert_parallel"

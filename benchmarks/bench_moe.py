@@ -7,7 +7,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)   # this checkout's moe_ops, without PYTHONPATH or an install
 
-from moe_ops.bench import main  # noqa: E402
+from moe_ops.tools.bench import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

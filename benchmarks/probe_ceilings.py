@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ops import bench
+from moe_ops.tools import bench
 from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.launch.dispatch_backward import dispatch_backward_triton
 from moe_ops.tuning.shapes import SHAPES

@@ -1,6 +1,6 @@
 """Where the time of one training step of moe.dispatch goes (not part of the test suite).
 
-benchmarks/NOTES.md entry 27: on Mixtral T=32768 the two ops' kernels timed apart
+docs/design.md: on Mixtral T=32768 the two ops' kernels timed apart
 (sweep_backward.py: forward with z 36.1 ms + backward 76.2 ms) sum to ~10 ms less than
 bench_train.py's autograd step (122.1 ms at eced948). For each cell this prints the step as
 bench_train times it (leaves' .grad set to None, forward under autograd, backward), the
@@ -8,8 +8,8 @@ forward (moe.dispatch_train) and the backward (moe.dispatch_backward_saved) time
 every CUDA kernel of the step with its time per step (torch.profiler), so that what is
 neither op's kernel (gradient accumulation, copies, fills) and the gaps between kernels show.
 With --host also the host time of the step against the two ops called directly,
-torch.profiler's CPU table of the step and a cProfile of its Python (entries 49-50); with --graph
-the step captured in a CUDA graph (entry 50: small-T training steps are host-bound eagerly).
+torch.profiler's CPU table of the step and a cProfile of its Python ; with --graph
+the step captured in a CUDA graph (H200: small-T training steps are host-bound eagerly).
 
     PYTHONPATH=. python benchmarks/profile_train_step.py --cells mixtral_8x7b:32768 qwen3_30b_a3b:8192
     PYTHONPATH=. python benchmarks/profile_train_step.py --cells qwen3_30b_a3b:64 --host --graph

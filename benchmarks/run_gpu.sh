@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Device-machine session: GPU tests and/or benchmarks. Logs and tables go to ${OUT:-.}.
-#   MOE_OPS_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_gpu.sh [tests|bench|all|stress|wsexp]
+# On a GPU machine: the GPU tests and/or benchmarks. Logs and tables go to ${OUT:-.}.
+#   MOE_OPS_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_gpu.sh [tests|bench|all]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-.}
@@ -21,42 +21,17 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
       > "$out/gpu_tests_$name.log" 2>&1
     echo "[$name] rc=$? $(tail -1 "$out/gpu_tests_$name.log")"
   }
-  run_group forward tests/test_gpu.py -k "not backward and not warp_specialised_kernels_repeat" &
-  run_group backward tests/test_gpu.py -k backward &
-  run_group rest tests --ignore=tests/test_gpu.py &
+  run_group forward tests/test_dispatch_gpu.py tests/test_route_gpu.py &
+  run_group backward tests/test_dispatch_backward_gpu.py &
+  run_group rest tests --ignore=tests/test_dispatch_gpu.py --ignore=tests/test_route_gpu.py \
+    --ignore=tests/test_dispatch_backward_gpu.py &
   wait
-  # the opt-in warp-specialised kernels fail beside another GPU process (NOTES.md entry 28):
-  # their test runs by itself
-  run_group ws_alone tests/test_gpu.py -k warp_specialised_kernels_repeat
   grep -h "^FAILED\|^ERROR" "$out"/gpu_tests_*.log | head -20
-fi
-if [ "$stage" = stress ]; then
-  # The warp-specialised kernels under a shared GPU (NOTES.md entry 27): WS on, WS off, and WS on
-  # with a descriptor scratch that is never reused; each ${STRESS_SECONDS:-60} s.
-  for v in "--ws on" "--ws off" "--ws on --scratch fresh"; do
-    timeout $(( ${STRESS_SECONDS:-60} + 120 )) python3 benchmarks/ws_stress.py --case "${STRESS_CASE:-large_offsets}" \
-      --procs 3 --noise 1 --seconds "${STRESS_SECONDS:-60}" $v 2>&1 | tee -a "$out/ws_stress.log" | tail -5
-  done
-fi
-if [ "$stage" = wsexp ]; then
-  # NOTES.md entry 28's next experiments, ${WSEXP_SECONDS:-15} s each: the minimal WS GEMM
-  # (ws_repro.py) alone / beside a matmul process / without the WS pass / with host-made
-  # descriptors / at maxnreg 128; then moe_ops' own WS kernels at maxnreg 128 (128-wide tiles)
-  # and with 64-row tiles (one consumer warp group), each beside a matmul process.
-  s=${WSEXP_SECONDS:-15}
-  for v in "--ws on --noise 0" "--ws on --noise 1" "--ws off --noise 1" "--ws on --noise 1 --desc host" \
-           "--ws on --noise 1 --maxnreg 128"; do
-    timeout $(( s + 120 )) python3 benchmarks/ws_repro.py --seconds "$s" $v 2>&1 | tee -a "$out/ws_repro.log" | tail -1
-  done
-  WS_STRESS_MAXNREG=128 WS_STRESS_BWD="wg_n=128,dx_n=128" timeout $(( s + 150 )) python3 benchmarks/ws_stress.py \
-    --case large_offsets --procs 1 --noise 1 --seconds "$s" --fwd-ws off 2>&1 | tee -a "$out/ws_stress.log" | tail -3
-  WS_STRESS_FWD="block_m=64" WS_STRESS_BWD="wg_m=64" timeout $(( s + 150 )) python3 benchmarks/ws_stress.py \
-    --case large_offsets --procs 1 --noise 1 --seconds "$s" 2>&1 | tee -a "$out/ws_stress.log" | tail -3
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   PLOT=""
   python3 -c 'import matplotlib' 2>/dev/null && PLOT="--plot $out/bench.png"
-  timeout "${BENCH_TIMEOUT:-240}" python3 -m moe_ops.bench --graph-all \
+  timeout "${BENCH_TIMEOUT:-240}" python3 -m moe_ops.tools.bench --graph-all \
     --md "$out/bench.md" --csv "$out/bench.csv" $PLOT > "$out/bench.log" 2>&1
   echo "bench_moe rc=$?"
   timeout "${TRAIN_TIMEOUT:-150}" python3 benchmarks/bench_train.py ${TRAIN_ARGS:-} \
@@ -66,7 +41,7 @@ if [ "$stage" = bench ] || [ "$stage" = all ]; then
     timeout "${DECODE_TIMEOUT:-90}" python3 examples/cuda_graph_decode.py > "$out/decode.log" 2>&1
     echo "cuda_graph_decode rc=$?"; tail -12 "$out/decode.log"
   fi
-  if [ "${EXAMPLE_TIMEOUT:-0}" != 0 ]; then   # issue 6's training example (off by default)
+  if [ "${EXAMPLE_TIMEOUT:-0}" != 0 ]; then   # the training example (off by default)
     timeout "$EXAMPLE_TIMEOUT" python3 examples/train_moe.py --device cuda > "$out/train_moe.log" 2>&1
     echo "train_moe rc=$?"; tail -8 "$out/train_moe.log"
   fi

@@ -1,5 +1,5 @@
-"""Argument checks shared by the command-line tools (moe_ops.bench, moe_ops.tune,
-moe_ops.compile_check): a bad argument ends in argparse's usage error naming it, not in a
+"""Argument checks shared by the command-line tools (moe-ops-bench, moe-ops-tune,
+moe_ops.tools.compile_check): a bad argument ends in argparse's usage error naming it, not in a
 traceback from deep inside a run."""
 from __future__ import annotations
 

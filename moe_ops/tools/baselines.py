@@ -1,4 +1,4 @@
-"""Baseline MoE expert computations for moe_ops.bench (and benchmarks/bench_train.py).
+"""Baseline MoE expert computations for moe-ops-bench (and benchmarks/bench_train.py).
 
 Every baseline has the signature of `torch.ops.moe.dispatch` without the activation:
 `fn(hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K]) -> [T, H]`,

@@ -1,8 +1,8 @@
 """Tune moe.dispatch kernel configurations for this GPU and write them to its table.
 
-    python -m moe_ops.tune --shapes qwen3_30b_a3b olmoe --tokens 1 8 32 128 512 2048 8192
-    python -m moe_ops.tune --shape 4096,14336,8,2 --tokens 1 64    # H,I,E,K
-    python -m moe_ops.tune --quick --shapes mixtral_8x7b             # ~10 candidates per T
+    moe-ops-tune --shapes qwen3_30b_a3b olmoe --tokens 1 8 32 128 512 2048 8192
+    moe-ops-tune --shape 4096,14336,8,2 --tokens 1 64    # H,I,E,K
+    moe-ops-tune --quick --shapes mixtral_8x7b             # ~10 candidates per T
 
 Every candidate's output is checked against the heuristic config's output before it is timed
 (CUDA-graph replay, median of triton.testing.do_bench: no host overhead in the figure). The best
@@ -23,11 +23,12 @@ import time
 import torch
 
 import moe_ops  # noqa: F401  (registers the ops)
-from moe_ops._cli import device as cli_device
-from moe_ops._cli import output_dir, token_count
+from moe_ops.tools._cli import device as cli_device
+from moe_ops.tools._cli import output_dir, token_count
 from moe_ops.launch.dispatch import dispatch_triton
 from moe_ops.ops.samples import make_dispatch_inputs
-from moe_ops.tuning.heuristics import DispatchConfig, heuristic_config, neighbours
+from moe_ops.tuning.configs import DispatchConfig
+from moe_ops.tuning.heuristics import heuristic_config, neighbours
 from moe_ops.tuning.shapes import SHAPES
 from moe_ops.tuning.tables import config_to_dict, read_table, write_table
 
@@ -35,7 +36,7 @@ from moe_ops.tuning.tables import config_to_dict, read_table, write_table
 def candidates(T, E, K, H, I, dtype, device_type, quick=False):
     base = heuristic_config(T, E, K, H, I, device_type, dtype)
     if device_type != "cuda":
-        return [base, dataclasses.replace(base, block_n1=16, block_n2=16)]
+        return [base, dataclasses.replace(base, gate_up_block_n=16, down_block_n=16)]
     if quick:
         return list(neighbours(base, dtype).values())
     rows = T * K / max(E, 1)
@@ -46,7 +47,9 @@ def candidates(T, E, K, H, I, dtype, device_type, quick=False):
             [(4, 3), (4, 4), (8, 3)]):
         if dtype == torch.float32:
             bk1, bk2 = min(bk1, 32), min(bk2, 32)
-        out.add(DispatchConfig(bm, bn1, bk1, bn2, bk2, warps, stages, base.group_m))
+        out.add(DispatchConfig(block_m=bm, gate_up_block_n=bn1, gate_up_block_k=bk1,
+                               down_block_n=bn2, down_block_k=bk2, num_warps=warps,
+                               num_stages=stages, group_m=base.group_m))
     return sorted(out, key=lambda c: dataclasses.astuple(c))
 
 
@@ -58,7 +61,7 @@ def _time(fn, device_type):
         return (time.perf_counter() - t0) * 1e3
     import triton
 
-    from moe_ops.bench import capture_graph
+    from moe_ops.tools._timing import capture_graph
 
     fn()
     graph, _ = capture_graph(fn)
@@ -106,7 +109,7 @@ def _shape(parser, text):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m moe_ops.tune", description=__doc__,
+    p = argparse.ArgumentParser(prog="moe-ops-tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="*", default=[], choices=sorted(SHAPES))
     p.add_argument("--shape", action="append", default=[], help="H,I,E,K")
@@ -131,7 +134,8 @@ def main(argv=None):
         p.error(str(e))
     dtype = getattr(torch, args.dtype)
     if device.type == "cpu":
-        from moe_ops._runtime import interpret_enabled, require_interpreter
+        from moe_ops._runtime import interpret_enabled
+        from moe_ops.launch._common import require_interpreter
 
         if not interpret_enabled():
             p.error("on CPU, set TRITON_INTERPRET=1 (a smoke test through Triton's interpreter)")

@@ -6,10 +6,10 @@ with `triton.compile` for `GPUTarget("cuda", 90, 128)`, with the argument specia
 JIT would apply on a GPU (pointers and integers divisible by 16 marked so, integers equal to 1
 made constants) and the launch's own warps and stages. What it catches: code that the
 interpreter runs but the compiler rejects (DispatchConfig.tma_pair did not compile for a whole
-session because only the interpreter had run it), shared memory over the limit, and where the
+run because only the interpreter had run it), shared memory over the limit, and where the
 tensor-core (wgmma) and async-copy instructions went. It does not prove a kernel correct or fast.
 
-    python -m moe_ops.compile_check [--shapes qwen3_30b_a3b ...] [--tokens 1 2048] [--dtype bfloat16]
+    python -m moe_ops.tools.compile_check [--shapes qwen3_30b_a3b ...] [--tokens 1 2048] [--dtype bfloat16]
         [--neighbours] [--dump DIR]
 
 needs a Triton whose NVIDIA backend carries ptxas (the PyPI wheels do)."""
@@ -25,7 +25,7 @@ from typing import Iterator
 
 import torch
 
-from moe_ops.launch.dispatch import SMEM_LIMIT as SHARED_LIMIT   # bytes per program on sm_90
+from moe_ops.launch._common import SMEM_LIMIT as SHARED_LIMIT   # bytes per program on sm_90
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.int32: "i32", torch.int64: "i64", torch.bool: "i1", torch.uint8: "u8"}
@@ -69,6 +69,8 @@ def capture() -> Iterator[list]:
         class _Grid:
             def __getitem__(self, grid):
                 def launch(*args, **kwargs):
+                    if "FENCE" in kwargs:   # the folded combine's fence, compiled code only
+                        kwargs["FENCE"] = True
                     launches.append(Launch(kernel, args, kwargs))
                 return launch
         return _Grid()
@@ -77,7 +79,7 @@ def capture() -> Iterator[list]:
         return dict(USE_PDL=True, launch_pdl=True) if pdl else {}
 
     patches = [(m, "kernel_for", kernel_for) for m in (alignment, dispatch, dispatch_backward)]
-    patches += [(dispatch, "_pdl_args", pdl_args), (dispatch, "_compiled_code", lambda d: True)]
+    patches += [(alignment, "pdl_args", pdl_args), (dispatch, "pdl_args", pdl_args)]
     saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
     try:
         for m, name, value in patches:
@@ -186,7 +188,7 @@ def forward_launches(shape, T, cfg, dtype, backward=False, rows_per_expert=None)
 
 
 def main(argv=None) -> int:
-    from moe_ops._cli import token_count
+    from moe_ops.tools._cli import token_count
     from moe_ops.tuning.heuristics import heuristic_config, neighbours
     from moe_ops.tuning.shapes import SHAPES
 
@@ -217,7 +219,7 @@ def main(argv=None) -> int:
             base = heuristic_config(T, E, K, H, I, "cuda", dtype)
             cfgs = neighbours(base, dtype) if args.neighbours else {"heuristic": base}
             for vname, cfg in cfgs.items():
-                small_T = 1 if cfg.direct else 16
+                small_T = 1 if cfg.direct_rows else 16
                 for launch in forward_launches((H, I, E, K), small_T, cfg, dtype, args.backward,
                                                rows_per_expert=T * K / E):
                     try:

@@ -24,6 +24,7 @@ moves data by itself: NCCL, gloo or any other backend of the group does.
 """
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 
@@ -32,7 +33,8 @@ import torch.distributed as dist
 
 from moe_ops._runtime import checks_enabled
 
-__all__ = ["ExpertParallelGroup", "even_shard", "expert_parallel_dispatch"]
+__all__ = ["ExpertParallelConfig", "ExpertParallelGroup", "even_shard", "expert_parallel_dispatch",
+           "is_expert_parallel", "shard_experts_module"]
 
 _MODES = ("all_to_all", "replicated")
 
@@ -519,3 +521,91 @@ def _combine(out_local, plan: _Plan, group_name, dtype):
     if plan.overflow is not None:
         out = torch.where(plan.overflow.any(1, keepdim=True), float("nan"), out)
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Sharding an experts module (transformers' layout: gate_up_proj [E, 2I, H], down_proj [E, H, I])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertParallelConfig:
+    """How `shard_experts_module` (and `apply_moe_ops(model, expert_parallel_group=...)`) runs
+    the sharded experts: the process group (None: the default group) and
+    `expert_parallel_dispatch`'s mode, sync_free and capacity."""
+
+    group: object = None
+    mode: str = "all_to_all"
+    sync_free: bool = False
+    capacity: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in _MODES:
+            raise ValueError(f"ExpertParallelConfig: mode must be one of {_MODES}, got {self.mode!r}")
+
+
+# Instance attribute of a sharded experts module: (ExpertParallelGroup, call options).
+_SHARDED = "_moe_ops_expert_parallel"
+
+
+def _per_token(t, T):
+    # [..., K] -> [T, K] (not reshape(T, -1): that raises for T = 0)
+    return t.reshape(T, t.shape[-1]) if t.dim() >= 2 else t.reshape(T, -1)
+
+
+def _ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    epg, opts = self.__dict__[_SHARDED]
+    w13, w2 = self.gate_up_proj, self.down_proj
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    if x.dtype != w13.dtype:  # e.g. under autocast
+        x = x.to(w13.dtype)
+    T = x.shape[0]
+    ids = _per_token(top_k_index, T)
+    weights = _per_token(top_k_weights, T)
+    if weights.dtype != torch.float32 and weights.dtype != x.dtype:
+        weights = weights.float()
+    out = expert_parallel_dispatch(x, w13, w2, weights, ids, first_expert=epg.first_expert,
+                                   num_experts=epg.num_experts, group=epg, **opts)
+    return out.to(hidden_states.dtype).reshape(shape)
+
+
+def shard_experts_module(experts: torch.nn.Module, config=None, *, forward_attr: str = "forward"):
+    """Keeps this rank's shard of an experts module's `gate_up_proj` [E, 2I, H] and `down_proj`
+    [E, H, I] (an even split: the first E % world_size ranks hold one expert more; the other
+    experts' weights are freed) and installs `forward_attr` (an instance attribute) computing
+    `forward(hidden_states [T, H], top_k_index [T, K] global ids, top_k_weights [T, K])` with
+    `expert_parallel_dispatch`. `config`: a ProcessGroup, None (the default group) or an
+    ExpertParallelConfig. A collective (the shard check): every rank calls it, in the same
+    order for every module. A module sharded already is left as it is. Returns the module."""
+    if _SHARDED in experts.__dict__:
+        return experts
+    if not isinstance(config, ExpertParallelConfig):
+        config = ExpertParallelConfig(group=config)
+    _require_initialized("shard_experts_module")
+    pg = dist.group.WORLD if config.group is None else config.group
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    for name in ("gate_up_proj", "down_proj"):
+        w = getattr(experts, name, None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            raise ValueError(f"shard_experts_module: {type(experts).__name__}.{name} must be a 3-D "
+                             f"tensor ([E, 2I, H] / [E, H, I]), got {type(w).__name__}")
+    E = experts.gate_up_proj.shape[0]
+    first, count = even_shard(E, world, rank)
+    for name in ("gate_up_proj", "down_proj"):
+        full = getattr(experts, name)
+        local = full.detach()[first:first + count].clone()
+        if isinstance(full, torch.nn.Parameter):
+            local = torch.nn.Parameter(local, requires_grad=full.requires_grad)
+        setattr(experts, name, local)
+    epg = ExpertParallelGroup.setup(experts.gate_up_proj, experts.down_proj, first_expert=first,
+                                    num_experts=E, group=pg)
+    opts = {"mode": config.mode, "sync_free": config.sync_free, "capacity": config.capacity}
+    experts.__dict__[_SHARDED] = (epg, opts)
+    # functools.partial of a module-level function: picklable, unlike a bound method
+    experts.__dict__[forward_attr] = functools.partial(_ep_experts_forward, experts)
+    return experts
+
+
+def is_expert_parallel(model: torch.nn.Module) -> bool:
+    """Whether any module of `model` was sharded by `shard_experts_module`."""
+    return any(_SHARDED in m.__dict__ for m in model.modules())

@@ -362,7 +362,7 @@ def _batches(W, seq=6, device="cpu"):
 def _case_hf_apply(rank, W, group, device, dtype):
     """apply_moe_ops(model, expert_parallel_group=...): each rank runs its own batch; logits and
     the local experts' gradients equal the single-device model's."""
-    from moe_ops.debug import OpCounter
+    from moe_ops.tools.debug import OpCounter
     from moe_ops.integrations.hf_expert_parallel import is_expert_parallel
     from moe_ops.integrations.huggingface import apply_moe_ops
 
@@ -412,7 +412,7 @@ def _case_hf_plan(rank, W, group, device, dtype):
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    from moe_ops.debug import OpCounter
+    from moe_ops.tools.debug import OpCounter
     from moe_ops.integrations.huggingface import UnsupportedModelError, apply_moe_ops
 
     # under a process group transformers saves on rank 0 only: one directory for all ranks

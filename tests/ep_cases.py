@@ -10,6 +10,7 @@ failing comparison does not desynchronise the ranks' collectives."""
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import os
 import traceback
@@ -73,10 +74,13 @@ def _problem(W, *, E, H, I, K, tokens, seed, route="random", pad_frac=0.0, dtype
     return w13, w2, per
 
 
-def _reference(w13, w2, per, replicated):
-    """Single-process moe.dispatch on the full weights, forward and backward, float64 oracle
-    (CPU reference in float64; on CUDA the kernels' dtype, compared by the caller)."""
-    dev = w13.device
+class CaseSkipped(Exception):
+    """A case that cannot run here (recorded as "skip: <reason>", reported as a skipped test)."""
+
+
+def _reference(w13, w2, per, replicated, biases=None, kwargs=None):
+    """Single-process moe.dispatch on the full weights (and biases), forward and backward, in
+    float64 on the CPU (the reference path): the oracle."""
     if replicated:
         per = per[:1]
     x = torch.cat([p["x"] for p in per]).double().cpu().requires_grad_()
@@ -84,17 +88,24 @@ def _reference(w13, w2, per, replicated):
     ids = torch.cat([p["ids"] for p in per]).cpu()
     a = w13.double().cpu().requires_grad_()
     b = w2.double().cpu().requires_grad_()
-    out = moe_ops.dispatch(x, a, b, w, ids)
+    kw = dict(kwargs or {})
+    bias = [t.double().cpu().requires_grad_() for t in biases] if biases else []
+    if bias:
+        kw.update(w13_bias=bias[0], w2_bias=bias[1])
+    out = moe_ops.dispatch(x, a, b, w, ids, **kw)
     gout = torch.cat([p["gout"] for p in per]).double().cpu()
     (out * gout).sum().backward()
-    del dev
-    return out.detach(), x.grad, w.grad, a.grad, b.grad
+    return out.detach(), x.grad, w.grad, a.grad, b.grad, [t.grad for t in bias]
 
 
 def check_parity(rank, W, group, *, E, H=8, I=6, K=2, tokens=None, mode="all_to_all",
                  sync_free=False, capacity=None, shards=None, route="random", pad_frac=0.0,
                  dtype=torch.float64, device="cpu", seed=0, backward=True, use_epg=False,
-                 **kwargs):
+                 biases=False, **kwargs):
+    params = inspect.signature(moe_ops.dispatch).parameters
+    missing = [k for k in ([*kwargs, "w13_bias"] if biases else kwargs) if k not in params]
+    if missing:
+        raise CaseSkipped(f"this moe_ops.dispatch has no {missing} argument")
     tokens = tokens or [5] * W
     replicated = mode == "replicated"
     if replicated:
@@ -107,13 +118,21 @@ def check_parity(rank, W, group, *, E, H=8, I=6, K=2, tokens=None, mode="all_to_
     w = mine["w"].clone().requires_grad_(backward)
     a = w13[first:first + count].clone().requires_grad_(backward)
     b = w2[first:first + count].clone().requires_grad_(backward)
+    full_bias = local_bias = None
+    if biases:
+        g = torch.Generator().manual_seed(seed + 100)
+        full_bias = [torch.randn(E, 2 * I, generator=g, dtype=torch.float64).to(device, dtype),
+                     torch.randn(E, H, generator=g, dtype=torch.float64).to(device, dtype)]
+        local_bias = [t[first:first + count].clone().requires_grad_(backward) for t in full_bias]
+        kwargs = dict(kwargs, w13_bias=local_bias[0], w2_bias=local_bias[1])
     grp = group
     if use_epg:
         grp = ExpertParallelGroup.setup(a, b, first_expert=first, num_experts=E, group=group)
     out = expert_parallel_dispatch(x, a, b, w, mine["ids"], first_expert=first, num_experts=E,
                                    group=grp, mode=mode, sync_free=sync_free, capacity=capacity,
                                    **kwargs)
-    ref_out, gx, gw, ga, gb = _reference(w13, w2, per, replicated)
+    plain_kwargs = {k: v for k, v in kwargs.items() if k not in ("w13_bias", "w2_bias")}
+    ref_out, gx, gw, ga, gb, gbias = _reference(w13, w2, per, replicated, full_bias, plain_kwargs)
     rows = slice(0, tokens[0]) if replicated else slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
     tol = TOL[dtype]
     assert out.shape == x.shape and out.dtype == x.dtype, (out.shape, out.dtype)
@@ -123,6 +142,8 @@ def check_parity(rank, W, group, *, E, H=8, I=6, K=2, tokens=None, mode="all_to_
         errs.update(hidden=_rel(x.grad.cpu(), gx[rows]), topk_weights=_rel(w.grad.cpu(), gw[rows]),
                     w13=_rel(a.grad.cpu(), ga[first:first + count]),
                     w2=_rel(b.grad.cpu(), gb[first:first + count]))
+        for name, t, gref in zip(("w13_bias", "w2_bias"), local_bias or [], gbias):
+            errs[name] = _rel(t.grad.cpu(), gref[first:first + count])
     bad = {k: v for k, v in errs.items() if not v <= tol}
     assert not bad, f"rank {rank}: relative errors above {tol}: {bad} (all: {errs})"
 
@@ -185,6 +206,19 @@ def _cases():
         seed=16, H=12, I=10)
     c["a2a_activation_kwarg"] = lambda r, W, g, d, t: check_parity(
         r, W, g, E=8, K=2, device=d, dtype=t, seed=17, activation="silu")
+    # biases of the local shard pass through to moe.dispatch (the extended schema)
+    c["a2a_biases"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=2 * W - 1, K=3, biases=True, pad_frac=0.2, device=d, dtype=t, seed=18)
+    c["rep_biases"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=2 * W - 1, K=3, mode="replicated", biases=True, device=d, dtype=t, seed=19)
+    c["sf_biases"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=8, K=2, sync_free=True, biases=True, device=d, dtype=t, seed=24)
+    # other dispatch arguments pass through unchanged (activation, weights_on_input)
+    c["a2a_gelu_weights_on_input"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=8, K=3, activation="gelu", weights_on_input=True, device=d, dtype=t, seed=25)
+    c["rep_swiglu_oai_biases"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=8, K=2, mode="replicated", activation="swiglu_oai", biases=True, device=d,
+        dtype=t, seed=26)
     c["setup_errors"] = _case_setup_errors
     c["ids_beyond_e_checked"] = _case_ids_check
     c["dynamo_explain"] = _case_explain
@@ -468,6 +502,8 @@ def run_cases(rank, W, init, names, out_dir, device="cpu", dtype=torch.float64,
             try:
                 CASES[name](rank, W, dist.group.WORLD, device, dtype)
                 results[name] = "ok"
+            except CaseSkipped as e:
+                results[name] = f"skip: {e}"
             except Exception:  # noqa: BLE001  recorded, reported by the parent
                 results[name] = traceback.format_exc()
             with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

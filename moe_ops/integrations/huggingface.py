@@ -426,7 +426,7 @@ def _revert_classes():
 # Public API
 
 
-def apply_moe_ops(model: torch.nn.Module | None = None):
+def apply_moe_ops(model: torch.nn.Module | None = None, *, expert_parallel_group=None):
     """Runs the sparse MoE blocks on `moe.route` + `moe.dispatch`.
 
     With `model`: patches the router and experts of every supported block of that instance (any
@@ -436,7 +436,15 @@ def apply_moe_ops(model: torch.nn.Module | None = None):
 
     Without a model: patches the router and experts classes of every supported family, so every
     model of these families (built before or after) uses moe_ops until `revert_moe_ops()`; the
-    experts' layout is then checked at each call. Returns None."""
+    experts' layout is then checked at each call. Returns None.
+
+    `expert_parallel_group` (with a model; a torch.distributed ProcessGroup, or a
+    `moe_ops.distributed.ExpertParallelConfig` for other options than the all-to-all default):
+    every rank keeps only its shard of each experts module and runs it with
+    `moe_ops.distributed.expert_parallel_dispatch` (see `moe_ops.distributed.shard_experts_module`).
+    A collective: every rank of the group calls it."""
+    if model is None and expert_parallel_group is not None:
+        raise ValueError("apply_moe_ops: expert_parallel_group needs a model instance")
     if model is None:
         loaded = _loaded_families()
         if not loaded:
@@ -455,9 +463,15 @@ def apply_moe_ops(model: torch.nn.Module | None = None):
             _patch_class(experts_cls, moe_ops_experts_forward)
         return None
     _check_module("apply_moe_ops", model)
-    for router, router_attr, experts, experts_attr, fam in _plan(model):
+    plan = _plan(model)
+    for router, router_attr, experts, experts_attr, fam in plan:
         _patch_instance(router, fam.router_forward, router_attr)
         _patch_instance(experts, _patched_experts_forward, experts_attr)
+    if expert_parallel_group is not None:
+        from moe_ops.distributed import shard_experts_module
+
+        for _, _, experts, experts_attr, _ in plan:
+            shard_experts_module(experts, expert_parallel_group, forward_attr=experts_attr)
     return model
 
 

@@ -208,3 +208,89 @@ def test_errors(path, request):
         check_dispatch(*meta)   # (the op runs this check first; no Meta kernel to reach)
     with pytest.raises(TypeError, match="w2 must be a strided"):
         moe_ops.dispatch(h, w13, w2.detach().contiguous().to_sparse(), w, ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton forward (interpreted): every path of dispatch_triton with every variant
+
+def _configs():
+    from moe_ops.tuning.heuristics import DispatchConfig
+
+    base = DispatchConfig(16, 16, 16, 16, 16, 4, 1)
+    from dataclasses import replace
+    return {
+        "pointer": base,
+        "tma_pair": replace(base, block_m=32, tma=True, tma_pair=True, half_tail=True,
+                            tma_a=True),
+        "tma": replace(base, tma=True),
+        "direct": replace(base, direct=True),
+        "direct_fused": replace(base, direct=True, fuse_combine=True),
+        "direct_combine_last": replace(base, direct=True, combine_last=True),
+    }
+
+
+def _compute_kw(kw):
+    return {k: kw[k] for k in ("activation", "w13_bias", "w2_bias", "alpha", "limit",
+                               "gate_up_interleaved", "weights_on_input") if k in kw}
+
+
+def _triton_forward_check(args, kw, cfg, dtype, save_z=False):
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.reference.dispatch import dispatch_z_reference
+
+    T, H = args[0].shape
+    out = torch.full((T, H), float("nan"), dtype=dtype)
+    res = dispatch_triton(*args, config=cfg, out=out, save_z=save_z, **_compute_kw(kw))
+    got = res[0] if save_z else res
+    assert got.data_ptr() == out.data_ptr()
+    ref = _oracle64(args, kw)
+    if T:
+        tol = 1e-5 if dtype == torch.float32 else 4e-3
+        assert rel_err(got, ref) <= tol, rel_err(got, ref)
+    if save_z:
+        z_ref = dispatch_z_reference(*[_double(a) if a.is_floating_point() else a
+                                       for a in (args[0], args[1])], args[4])
+        assert rel_err(res[1], z_ref) <= (1e-5 if dtype == torch.float32 else 4e-3)
+
+
+@pytest.mark.parametrize("path", ["pointer", "tma_pair", "direct", "direct_fused",
+                                  "direct_combine_last"])
+@pytest.mark.parametrize("name", VARIANT_IDS)
+def test_triton_forward_variants(interpreter, name, path):
+    """Each variant on each path: T = 1 for the one-token paths (dropped ids included), an odd
+    shape elsewhere; 16-byte aligned rows for the descriptor path (else it falls back)."""
+    cfg = _configs()[path]
+    if path.startswith("direct"):
+        T, K, routing = (1 if path != "direct" else 5), 3, "negative"
+    else:
+        T, K, routing = 7, 2, "negative"
+    H, I = (16, 8) if path == "tma_pair" else (9, 5)
+    args, kw = _inputs(name, T=T, H=H, I=I, E=5, K=K, routing=routing, seed=3)
+    _triton_forward_check(args, kw, cfg, torch.float32, save_z=path in ("pointer", "direct"))
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "weights_on_input", "gelu_tanh"])
+def test_triton_forward_float16_and_edges(interpreter, name):
+    """float16 with float32 biases, the two-copy descriptor path, T = 0, every slot on one
+    expert, K = E."""
+    cfg = _configs()
+    args, kw = _inputs(name, T=6, H=16, I=8, E=3, K=2, dtype=torch.float16, seed=4,
+                       bias_dtype=torch.float32)
+    _triton_forward_check(args, kw, cfg["tma"], torch.float16)
+    args, kw = _inputs(name, T=0, H=9, I=5, E=3, K=2, seed=5)
+    _triton_forward_check(args, kw, cfg["pointer"], torch.float32, save_z=True)
+    args, kw = _inputs(name, T=9, H=9, I=5, E=3, K=1, routing="one_expert", seed=6)
+    _triton_forward_check(args, kw, cfg["pointer"], torch.float32)
+    args, kw = _inputs(name, T=4, H=9, I=5, E=3, K=3, routing="uniform", seed=7)
+    _triton_forward_check(args, kw, cfg["tma_pair"], torch.float32)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "relu"])
+def test_op_interpreted_bfloat16(interpreter, name):
+    """bf16 through the op under the interpreter (run on float32 copies: see
+    ops.dispatch._interpreted_bf16), forward and backward."""
+    args, kw = _inputs(name, T=5, H=9, I=5, E=4, K=2, dtype=torch.bfloat16, seed=8,
+                       requires_grad=True)
+    out = moe_ops.dispatch(*args, **kw)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, _oracle64(args, kw)) <= RTOL[torch.bfloat16]

@@ -11,7 +11,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from moe_ops._runtime import cdiv, ensure_triton_allocator, kernel_for, next_pow2
-from moe_ops.kernels.expert_gemm import (combine_kernel, down_combine_one_token_kernel, down_kernel,
+from moe_ops.kernels.expert_gemm import (ACT_CODES, combine_kernel, down_combine_one_token_kernel, down_kernel,
                                          gate_up_kernel, rows_gemm_ws_kernel, zero_dropped_z_kernel)
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.fast import launch_key, tensor_key
@@ -30,9 +30,8 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     save_z (training): also return z = [g | u], the pre-activation per slot ([T*K, 2I], input
     dtype; zero rows for ids < 0 or >= E, as the reference) that dispatch_backward_triton(z=...)
     consumes."""
-    if (activation != "silu" or w13_bias is not None or w2_bias is not None
-            or gate_up_interleaved or weights_on_input):
-        raise NotImplementedError("moe.dispatch variants in the Triton kernels")
+    var = Variant(activation, w13_bias, w2_bias, alpha, limit, gate_up_interleaved,
+                  weights_on_input)
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
@@ -44,7 +43,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, hidden.dtype)
     # Every argument of this call's launches is a function of these (moe_ops.launch.fast).
     key = (cfg, save_z, tensor_key(hidden), tensor_key(w13), tensor_key(w2),
-           tensor_key(topk_weights), tensor_key(topk_ids), tensor_key(out)) \
+           tensor_key(topk_weights), tensor_key(topk_ids), tensor_key(out), var.key()) \
         if dev.type == "cuda" else None
     # Direct rows (no alignment launch; the z of a training forward is per slot either way):
     # slot s is row block s. One token's K slots have K distinct experts, so no weights are read
@@ -60,8 +59,10 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     direct = isinstance(al, DirectRows)
     group_m = _group_m(cfg, al)
     if direct and T == 1 and cfg.fuse_combine and K <= cfg.block_m:
-        gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl, key=key)
-        down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key=key)
+        gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl, key=key,
+                       variant=var, topk_weights=topk_weights)
+        down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key=key,
+                                      variant=var)
         if save_z:
             zero_dropped_z_triton(z, topk_ids, E, key=key)
         return (out, z) if save_z else out
@@ -71,16 +72,17 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     if direct and T == 1 and cfg.combine_last and K <= 32:
         counters = torch.empty(cdiv(H, cfg.block_n2), dtype=torch.int32, device=dev)
     gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.pdl, counters=counters,
-                   key=key)
-    # Per-slot expert outputs (routing weight applied, rounded once to the input dtype, as vLLM
-    # does; float32 for float32 inputs); the combine sums them in float32 in a fixed order.
+                   key=key, variant=var, topk_weights=topk_weights)
+    # Per-slot expert outputs (bias and routing weight applied, rounded once to the input dtype,
+    # as vLLM does; float32 for float32 inputs); the combine sums them in float32 in a fixed
+    # order.
     y = torch.empty(n_slots, H, dtype=hidden.dtype, device=dev)
     rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, H, I, n_slots, K,
                      cfg.block_n2, cfg.block_k2, cfg.num_warps, cfg.num_stages, group_m,
-                     weights=topk_weights, tma=cfg.tma, tma_a=cfg.tma_a, pdl=cfg.pdl,
-                     half_tail=cfg.half_tail,
+                     weights=None if weights_on_input else topk_weights, tma=cfg.tma,
+                     tma_a=cfg.tma_a, pdl=cfg.pdl, half_tail=cfg.half_tail,
                      combine=None if counters is None else (counters, out, topk_ids), key=key,
-                     ws=cfg.down_ws)
+                     ws=cfg.down_ws, bias=w2_bias)
     if counters is None:
         combine_triton(y, topk_ids, out, E, pdl=cfg.pdl, key=key)
     if save_z:
@@ -103,23 +105,75 @@ def zero_dropped_z_triton(z, topk_ids, num_experts, key=None):
     )
 
 
+@dataclass(frozen=True)
+class Variant:
+    """moe.dispatch's variant arguments as the launchers take them (docs/contract.md)."""
+    activation: str = "silu"
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    alpha: float = 1.702
+    limit: float = 7.0
+    interleaved: bool = False
+    weights_on_input: bool = False
+
+    def key(self):
+        """What the launches' arguments depend on (fast launch keys)."""
+        return (self.activation, float(self.alpha), float(self.limit), self.interleaved,
+                self.weights_on_input, _opt_key(self.w13_bias), _opt_key(self.w2_bias))
+
+    def gate_up_args(self, topk_weights) -> dict:
+        """gate_up_kernel's variant arguments (none for the default SwiGLU on gate-first rows:
+        the kernel's defaults, the same compiled kernel as before the variants)."""
+        kw = {}
+        if self.activation != "silu":
+            kw.update(ACT=ACT_CODES[self.activation], alpha=float(self.alpha),
+                      limit=float(self.limit))
+        if self.interleaved:
+            kw.update(INTERLEAVED=True)
+        b = self.w13_bias
+        if b is not None:
+            kw.update(b_ptr=b, stride_be=b.stride(0), stride_bn=b.stride(1), HAS_BIAS=True)
+        if self.weights_on_input:
+            kw.update(tw_ptr=topk_weights, stride_tw_t=topk_weights.stride(0),
+                      stride_tw_k=topk_weights.stride(1), WEIGHTS_ON_INPUT=True)
+        return kw
+
+
+def _opt_key(t):
+    return None if t is None else tensor_key(t)
+
+
+def _bias_args(b) -> dict:
+    """The down kernels' bias arguments (w2_bias [E, N]); none without a bias."""
+    if b is None:
+        return {}
+    return dict(b_ptr=b, stride_be=b.stride(0), stride_bn=b.stride(1), HAS_BIAS=True)
+
+
 def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False, counters=None,
-                   key=None):
+                   key=None, variant=None, topk_weights=None):
     """act[row] = SwiGLU(W13_e x_t) over the aligned rows (gathering token rows through the slot
     table); with `z` ([T*K, 2I]) also the pre-activation per slot. `counters` (int32): zeroed
     for the down kernel's combine_last (after the PDL wait: the buffer may be memory that the
-    kernel before was still using). `key`: dispatch_triton's launch key (fast launch), or None."""
+    kernel before was still using). `key`: dispatch_triton's launch key (fast launch), or None.
+    `variant` (Variant; None: the default) with `topk_weights` (read with weights_on_input):
+    bias, activation, interleaved rows. z is the raw product W13_e x in w13's row order
+    whatever the variant."""
     H = hidden.shape[1]
     I = act.shape[1]
     n_blocks = al.max_rows // cfg.block_m
     zz = act if z is None else z
+    var = variant or _PLAIN
     w_desc, pair = None, False
     if cfg.tma and cfg.tma_pair:   # [E, 2I, H] seen as [E, 2, I, H]: gate and up in one copy
         st = w13.stride()
+        # gate-first rows: (e, j, i) is row j*I + i; interleaved: row 2i + j
+        mid = [st[1], 2 * st[1]] if var.interleaved else [I * st[1], st[1]]
         w_desc = weight_desc(w13, [1, 2, cfg.block_n1, cfg.block_k1],
-                             shape=[w13.shape[0], 2, I, H], strides=[st[0], I * st[1], st[1], st[2]])
+                             shape=[w13.shape[0], 2, I, H], strides=[st[0], *mid, st[2]])
         pair = w_desc is not None
-    if cfg.tma and w_desc is None:
+    if cfg.tma and w_desc is None and not var.interleaved:
+        # (the two-copy path reads the up tile at row I + n: gate-first rows only)
         w_desc = weight_desc(w13, [1, cfg.block_n1, cfg.block_k1])
     direct = _direct_args(al, w13.shape[0])
     cnt = {} if counters is None else dict(counters_ptr=counters, n_counters=counters.numel(),
@@ -135,14 +189,14 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
         GROUP_M=_group_m(cfg, al),
         DOT_PRECISION=_dot_precision(hidden.dtype), SAVE_Z=z is not None,
         w_desc=w_desc, USE_TMA=w_desc is not None, TMA_PAIR=pair, **direct,
-        HALF_TAIL=_half_tail(cfg.half_tail, al), **cnt,
+        HALF_TAIL=_half_tail(cfg.half_tail, al), **cnt, **var.gate_up_args(topk_weights),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_args(pdl, hidden.device),
     )
 
 
 def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, block_k,
                      num_warps, num_stages, group_m=8, weights=None, tma=False, tma_a=False,
-                     pdl=False, half_tail=False, combine=None, key=None, ws=False):
+                     pdl=False, half_tail=False, combine=None, key=None, ws=False, bias=None):
     """y[slot] = (weights[slot] *) a[row] @ W_e^T ([N]) for the aligned rows: `a` is contiguous in
     aligned-row order ([max_rows, K_red]); W_e[n, k] = w[e*w_strides[0] + n*w_strides[1] +
     k*w_strides[2]] (any layout); y is per slot ([T*K, N], rows of ids < 0 unwritten). The
@@ -153,14 +207,19 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
     block_m/2 valid rows run a half-height tile. `combine` = (counters, out, topk_ids), direct
     rows only: the last program per N tile also sums the K rows into out ([1, N]). `ws`: the
     persistent warp-specialised kernel where it applies (_rows_gemm_ws; `pdl`, `half_tail` and
-    `num_warps` do not apply to it)."""
-    if ws and combine is None and _rows_gemm_ws(a, w, w_strides, y, al, N, K_red, n_slots, top_k,
+    `num_warps` do not apply to it). `bias` ([E, N], optional): added to each row before the
+    weight (the forward's w2_bias; the per-tile kernel only)."""
+    if ws and combine is None and bias is None and _rows_gemm_ws(a, w, w_strides, y, al, N, K_red, n_slots, top_k,
                                                  block_n, block_k, num_stages, group_m, weights):
         return
     bm = al.block_m
     n_blocks = al.max_rows // bm
     tw = weights if weights is not None else y
     w_desc, layout = None, 0
+    if w.stride(2) != 1 and w.stride(1) == 1:
+        # a transposed view (a checkpoint's [E, K, N] or [E, N, K] storage seen the other way):
+        # descriptors over the storage's own order
+        w = w.transpose(1, 2)
     if tma and tuple(w_strides) == tuple(w.stride()):       # storage [E, N, K]
         w_desc, layout = weight_desc(w, [1, block_n, block_k]), 1
     elif tma and tuple(w_strides) == (w.stride(0), w.stride(2), w.stride(1)):   # [E, K, N]
@@ -188,7 +247,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, N, K_red, n_slots, top_k, block_n, 
         DOT_PRECISION=_dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
         w_desc=w_desc, TMA_LAYOUT=layout, **direct, HALF_TAIL=half,
         **comb, **({} if a_descs is None else dict(a_desc=a_descs[0], a_desc_half=a_descs[1],
-                                                    A_TMA=True)),
+                                                    A_TMA=True)), **_bias_args(bias),
         num_warps=num_warps, num_stages=num_stages, **_pdl_args(pdl, a.device),
     )
 
@@ -308,12 +367,17 @@ def combine_triton(y, topk_ids, out, num_experts, pdl=False, key=None):
     )
 
 
-def down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key=None):
+def down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key=None,
+                                  variant=None):
     """T == 1 with direct rows: out = sum over k of w_k * act[k*block_m] @ W2_{e_k}^T in one
     launch (the down GEMM with the combine folded in); block_n2 columns of H per program."""
     E, H, I = w2.shape
     K = topk_ids.shape[1]
+    var = variant or _PLAIN
     w_desc = weight_desc(w2, [1, cfg.block_n2, cfg.block_k2]) if cfg.tma else None
+    extra = _bias_args(var.w2_bias)
+    if var.weights_on_input:
+        extra.update(WEIGHTS_ON_INPUT=True)
     fk = launch_key(key and (key, "down_combine"), act)
     kernel_for(down_combine_one_token_kernel, act.device, fk)[(cdiv(H, cfg.block_n2),)](
         act, w2, topk_weights, topk_ids, out, H, I, E,
@@ -321,6 +385,7 @@ def down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key
         topk_ids.stride(1), out.stride(1),
         TOP_K=K, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
         DOT_PRECISION=_dot_precision(act.dtype), w_desc=w_desc, USE_TMA=w_desc is not None,
+        **extra,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_args(cfg.pdl, act.device),
     )
 
@@ -346,6 +411,8 @@ class DirectRows:
 
     block_expert = num_rows = sorted_slots
 
+
+_PLAIN = Variant()
 
 # Direct rows at T > 1 only up to this many slots (the grouping below makes the slot count a
 # compile-time constant, rounded up to a power of two).

@@ -116,6 +116,12 @@ class Variant:
     interleaved: bool = False
     weights_on_input: bool = False
 
+    @property
+    def plain(self) -> bool:
+        """SwiGLU on gate-first rows, no bias, weights on the output (Mixtral's experts)."""
+        return (self.activation == "silu" and self.w13_bias is None and self.w2_bias is None
+                and not self.interleaved and not self.weights_on_input)
+
     def key(self):
         """What the launches' arguments depend on (fast launch keys)."""
         return (self.activation, float(self.alpha), float(self.limit), self.interleaved,

@@ -108,8 +108,8 @@ def _backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, v):
             kw.update(w13_bias=_upcast1(b13), w2_bias=_upcast1(b2))
             grads = dispatch_backward_triton(*_upcast(grad_out, hidden, w13, w2, topk_weights),
                                              topk_ids, z=None if z is None else z.float(), **kw)
-            grads = tuple(g.to(t.dtype) for g, t in zip(grads, (hidden, w13, w2, topk_weights,
-                                                                 b13, b2)))
+            grads = tuple(None if g is None else g.to(t.dtype)
+                          for g, t in zip(grads, (hidden, w13, w2, topk_weights, b13, b2)))
             return _six_grads(grads, hidden, v)
         with on_device(hidden):
             return _six_grads(dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights,

@@ -4,6 +4,7 @@ gradients (gradcheck, bias gradients, gradient strides), opcheck, errors, and th
 Triton kernels."""
 import pytest
 import torch
+import torch._dynamo.testing
 import torch.nn.functional as F
 
 import moe_ops
@@ -372,3 +373,40 @@ def test_op_autograd_interpreted(interpreter, name):
     for t, r in zip([*args[:4], kw["w13_bias"], kw["w2_bias"]], ref):
         assert t.grad is not None and t.grad.stride() == t.stride()
         assert rel_err(t.grad, r) <= 2e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile: one frame for every T with the variant arguments (CPU, reference kernels)
+
+def test_fullgraph_one_frame_for_every_T(reference_path):
+    """moe_ops.dispatch with biases, swiglu_oai, interleaved rows and transposed weights, routed
+    by moe_ops.route inside the compiled function: one frame (fullgraph) for T = 1, 0, 3, 11,
+    forward and the bias gradient."""
+    from torch._dynamo.decorators import mark_unbacked
+
+    torch._dynamo.reset()
+    (_, w13, w2, _, _), kw = _inputs("gpt_oss", T=2)
+    b13, b2 = kw.pop("w13_bias"), kw.pop("w2_bias")
+    b13.requires_grad_(True)
+    router = torch.randn(9, 4, generator=torch.Generator().manual_seed(0))
+
+    def f(h, w13, w2, b13, b2):
+        w, ids = moe_ops.route(h @ router, 2)
+        return moe_ops.dispatch(h, w13, w2, w, ids, w13_bias=b13, w2_bias=b2, **kw), w, ids
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    for i, T in enumerate([1, 0, 3, 11]):
+        h = torch.randn(T, 9, generator=torch.Generator().manual_seed(T))
+        if i == 0:
+            mark_unbacked(h, 0)
+        with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            out, w, ids = compiled(h, w13, w2, b13, b2)
+        full = dict(kw, w13_bias=b13, w2_bias=b2)
+        if T:
+            assert rel_err(out, _oracle64((h, w13, w2, w, ids), full)) <= 1e-5
+        b13.grad = None
+        out.sum().backward()
+        g_ref, = torch.autograd.grad(dense_oracle(h, w13, w2, w, ids, **full).sum(), b13)
+        assert torch.allclose(b13.grad, g_ref, atol=1e-5)
+    assert counter.frame_count == 1

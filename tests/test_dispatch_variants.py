@@ -410,3 +410,20 @@ def test_fullgraph_one_frame_for_every_T(reference_path):
         g_ref, = torch.autograd.grad(dense_oracle(h, w13, w2, w, ids, **full).sum(), b13)
         assert torch.allclose(b13.grad, g_ref, atol=1e-5)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "swiglu_oai"])
+def test_transposed_w13_takes_the_storage_descriptor(interpreter, monkeypatch, name):
+    """A transposed w13 (gpt-oss's [E, H, 2I] storage) with 16-byte aligned rows is read
+    through a descriptor over its storage (TMA_TRANS; interleaved or gate-first columns), not
+    by pointer loads, and gives the reference's answer."""
+    import moe_ops.launch.dispatch as ld
+    from conftest import spy_kernel_launches
+
+    seen = []
+    spy_kernel_launches(monkeypatch, ld, lambda k, g, a, kw: seen.append(
+        (k.fn.__name__, kw.get("TMA_TRANS", False), kw.get("INTERLEAVED", False))))
+    args, kw = _inputs(name, T=7, H=16, I=8, E=5, K=2, seed=19)
+    _triton_forward_check(args, kw, _configs()["tma"], torch.float32)
+    interleaved = kw.get("gate_up_interleaved", False)
+    assert ("gate_up_kernel", True, interleaved) in seen, seen

@@ -43,7 +43,8 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
                  stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, w_desc=None, USE_TMA: tl.constexpr = False,
-                 TMA_PAIR: tl.constexpr = False, INTERLEAVED: tl.constexpr = False):
+                 TMA_PAIR: tl.constexpr = False, INTERLEAVED: tl.constexpr = False,
+                 TMA_TRANS: tl.constexpr = False):
     """(gate, up) pre-activations [BLOCK_M, BLOCK_N] of the rows of tokens `tok` for expert `e`
     and columns pid_n*BLOCK_N.. of I, accumulated in float32 over H. Pointer path: one
     [BLOCK_K, 2*BLOCK_N] weight tile per step, gate columns n0..n0+BN then the matching up columns
@@ -55,12 +56,34 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
     [1, 2, BLOCK_N, BLOCK_K]): gate and up tiles in one copy (each zero-filled past I) and one
     N=2*BLOCK_N product, as on the pointer path. INTERLEAVED: gate row of column n is 2n and its
     up row 2n+1 (the pointer path, or the pair path over a [E, 2, I, H] view with strides
-    [E, 1, 2, H]-rows; never the two-copy TMA path)."""
+    [E, 1, 2, H]-rows; never the two-copy TMA path). TMA transposed path (USE_TMA and TMA_TRANS:
+    w13 a transposed view of [E, H, 2I] storage, gpt-oss's checkpoint layout): `w_desc` is over
+    that storage, block [1, BLOCK_K, 2*BLOCK_N] at columns 2*n0 (INTERLEAVED: gate and up
+    columns alternate) or a [E, H, 2, I] view with block [1, BLOCK_K, 2, BLOCK_N] (gate-first):
+    one [BLOCK_K, 2*BLOCK_N] tile and one product per step, zero-filled past H and 2I."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
     # One branch per path (compile-time): code after a `return` under a constexpr `if` is
     # still compiled, so the 3-offset TMA loads must not follow the 4-D pair descriptor.
-    if USE_TMA and TMA_PAIR:
+    if USE_TMA and TMA_TRANS:
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
+        n0 = pid_n * BLOCK_N
+        e32 = e.to(tl.int32)
+        for k0 in range(0, H, BLOCK_K):
+            k_mask = offs_k < H - k0
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+            if INTERLEAVED:
+                b = tl.reshape(w_desc.load([e32, k0, 2 * n0]), (BLOCK_K, 2 * BLOCK_N))
+            else:
+                b = tl.reshape(w_desc.load([e32, k0, 0, n0]), (BLOCK_K, 2 * BLOCK_N))
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_xh
+        if INTERLEAVED:
+            acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        else:
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)),
+                                               (0, 2, 1)))
+    elif USE_TMA and TMA_PAIR:
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
         n0 = pid_n * BLOCK_N
         e32 = e.to(tl.int32)
@@ -198,6 +221,7 @@ def gate_up_kernel(
     BLOCK_C: tl.constexpr = 0, b_ptr=None, stride_be=0, stride_bn=0, tw_ptr=None, stride_tw_t=0,
     stride_tw_k=0, HAS_BIAS: tl.constexpr = False, WEIGHTS_ON_INPUT: tl.constexpr = False,
     INTERLEAVED: tl.constexpr = False, ACT: tl.constexpr = 0, alpha=1.702, limit=7.0,
+    TMA_TRANS: tl.constexpr = False,
 ):
     """act[row] = activate(s * z + b13_e) with z = W13_e x (the variant arguments: HAS_BIAS,
     WEIGHTS_ON_INPUT, INTERLEAVED, ACT with alpha and limit; the defaults are SwiGLU on
@@ -226,7 +250,7 @@ def gate_up_kernel(
                       DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
                       DIRECT, USE_PDL, TMA_PAIR, BLOCK_M // 2, b_ptr, stride_be, stride_bn,
                       tw_ptr, stride_tw_t, stride_tw_k, HAS_BIAS, WEIGHTS_ON_INPUT, INTERLEAVED,
-                      ACT, alpha, limit)
+                      ACT, alpha, limit, TMA_TRANS)
     else:
         gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                       n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
@@ -234,7 +258,7 @@ def gate_up_kernel(
                       DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
                       DIRECT, USE_PDL, TMA_PAIR, BLOCK_M, b_ptr, stride_be, stride_bn,
                       tw_ptr, stride_tw_t, stride_tw_k, HAS_BIAS, WEIGHTS_ON_INPUT, INTERLEAVED,
-                      ACT, alpha, limit)
+                      ACT, alpha, limit, TMA_TRANS)
 
 
 @triton.jit
@@ -246,7 +270,8 @@ def gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pi
                   DIRECT: tl.constexpr, PDL_LATE: tl.constexpr, TMA_PAIR: tl.constexpr,
                   TILE_M: tl.constexpr, b_ptr, stride_be, stride_bn, tw_ptr, stride_tw_t,
                   stride_tw_k, HAS_BIAS: tl.constexpr, WEIGHTS_ON_INPUT: tl.constexpr,
-                  INTERLEAVED: tl.constexpr, ACT: tl.constexpr, alpha, limit):
+                  INTERLEAVED: tl.constexpr, ACT: tl.constexpr, alpha, limit,
+                  TMA_TRANS: tl.constexpr):
     """gate_up_kernel's work on the first TILE_M rows of row block pid_m."""
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
                                           stride_ik, n_experts, BLOCK_M, DIRECT, TILE_M)
@@ -256,7 +281,7 @@ def gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pi
     acc_g, acc_u = gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
                                 stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
                                 TILE_M, BLOCK_N, BLOCK_K, DOT_PRECISION, w_desc, USE_TMA,
-                                TMA_PAIR, INTERLEAVED)
+                                TMA_PAIR, INTERLEAVED, TMA_TRANS)
     if PDL_LATE:
         gdc_launch_dependents()
     rows64 = rows.to(tl.int64)

@@ -170,8 +170,20 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
     n_blocks = al.max_rows // cfg.block_m
     zz = act if z is None else z
     var = variant or _PLAIN
-    w_desc, pair = None, False
-    if cfg.tma and cfg.tma_pair:   # [E, 2I, H] seen as [E, 2, I, H]: gate and up in one copy
+    w_desc, pair, trans = None, False, False
+    st = w13.stride()
+    if cfg.tma and st[2] != 1 and st[1] == 1 and 2 * cfg.block_n1 <= 256:
+        # a transposed view of [E, H, 2I] storage: descriptors over the storage (a copy's box
+        # is at most 256 wide)
+        E = w13.shape[0]
+        if var.interleaved:
+            w_desc = weight_desc(w13, [1, cfg.block_k1, 2 * cfg.block_n1], shape=[E, H, 2 * I],
+                                 strides=[st[0], st[2], 1])
+        else:
+            w_desc = weight_desc(w13, [1, cfg.block_k1, 2, cfg.block_n1],
+                                 shape=[E, H, 2, I], strides=[st[0], st[2], I, 1])
+        trans = w_desc is not None
+    elif cfg.tma and cfg.tma_pair:   # [E, 2I, H] seen as [E, 2, I, H]: gate and up in one copy
         st = w13.stride()
         # gate-first rows: (e, j, i) is row j*I + i; interleaved: row 2i + j
         mid = [st[1], 2 * st[1]] if var.interleaved else [I * st[1], st[1]]
@@ -196,6 +208,7 @@ def gate_up_triton(hidden, w13, act, al, cfg, n_slots, top_k, z=None, pdl=False,
         DOT_PRECISION=_dot_precision(hidden.dtype), SAVE_Z=z is not None,
         w_desc=w_desc, USE_TMA=w_desc is not None, TMA_PAIR=pair, **direct,
         HALF_TAIL=_half_tail(cfg.half_tail, al), **cnt, **var.gate_up_args(topk_weights),
+        **({"TMA_TRANS": True} if trans else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_args(pdl, hidden.device),
     )
 

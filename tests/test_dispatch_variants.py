@@ -215,18 +215,20 @@ def test_errors(path, request):
 # Triton forward (interpreted): every path of dispatch_triton with every variant
 
 def _configs():
-    from moe_ops.tuning.heuristics import DispatchConfig
-
-    base = DispatchConfig(16, 16, 16, 16, 16, 4, 1)
     from dataclasses import replace
+
+    from moe_ops.tuning.configs import DispatchConfig
+
+    base = DispatchConfig(block_m=16, gate_up_block_n=16, gate_up_block_k=16, down_block_n=16,
+                          down_block_k=16, num_warps=4, num_stages=1)
     return {
         "pointer": base,
-        "tma_pair": replace(base, block_m=32, tma=True, tma_pair=True, half_tail=True,
-                            tma_a=True),
-        "tma": replace(base, tma=True),
-        "direct": replace(base, direct=True),
-        "direct_fused": replace(base, direct=True, fuse_combine=True),
-        "direct_combine_last": replace(base, direct=True, combine_last=True),
+        "tma_pair": replace(base, block_m=32, tma_weights=True, tma_gate_up_pair=True,
+                            half_height_tails=True, tma_down_activations=True),
+        "tma": replace(base, tma_weights=True),
+        "direct": replace(base, direct_rows=True),
+        "direct_fused": replace(base, direct_rows=True, down_combine_fused=True),
+        "direct_combine_last": replace(base, direct_rows=True, combine_in_down=True),
     }
 
 

@@ -2,13 +2,17 @@
 weights, the routing weight on the input): the reference against a dense float64 oracle,
 gradients (gradcheck, bias gradients, gradient strides), opcheck, errors, and the interpreted
 Triton kernels."""
+import os
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch._dynamo.testing
 import torch.nn.functional as F
 
 import moe_ops
-from conftest import RTOL, rel_err
+from conftest import RTOL, needs_interpreter, rel_err
 from moe_ops.ops.checks import check_dispatch
 from moe_ops.ops.samples import VARIANTS, dispatch_variant_samples, make_variant_inputs
 
@@ -429,3 +433,52 @@ def test_transposed_w13_takes_the_storage_descriptor(interpreter, monkeypatch, n
     _triton_forward_check(args, kw, _configs()["tma"], torch.float32)
     interleaved = kw.get("gate_up_interleaved", False)
     assert ("gate_up_kernel", True, interleaved) in seen, seen
+
+
+@pytest.mark.slow
+@needs_interpreter
+@settings(max_examples=15, deadline=None)
+@given(T=st.integers(0, 40), H=st.integers(1, 24), I=st.integers(1, 16), E=st.integers(1, 8),
+       activation=st.sampled_from(["silu", "gelu", "gelu_tanh", "relu", "swiglu_oai"]),
+       flags=st.lists(st.booleans(), min_size=6, max_size=6),
+       routing=st.sampled_from(["uniform", "negative", "one_expert", "skewed"]),
+       data=st.data())
+def test_triton_variants_hypothesis(T, H, I, E, activation, flags, routing, data):
+    """Random shapes and combinations of the variants: the interpreted forward (heuristic
+    config) and backward against float64 autograd."""
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+
+    K = data.draw(st.integers(1, E))
+    if routing == "one_expert":
+        K = 1
+    b13, b2, t13, t2, inter, woi = flags
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    args, bias13, bias2 = make_variant_inputs(T, H, I, E, K, routing=routing, generator=g,
+                                              w13_bias=b13, w2_bias=b2, transpose_w13=t13,
+                                              transpose_w2=t2)
+    kw = dict(activation=activation, w13_bias=bias13, w2_bias=bias2, alpha=1.3, limit=0.5,
+              gate_up_interleaved=inter, weights_on_input=woi)
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        out = torch.full((T, H), float("nan"))
+        dispatch_triton(*args, out=out, **kw)
+        go = torch.randn(T, H, generator=g)
+        got = dispatch_backward_triton(go, *args, **kw)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    if T:
+        assert rel_err(out, _oracle64(args, kw)) <= 1e-5
+    ref = _grads_oracle(args, kw, go)
+    got = list(got) + [None] * (6 - len(got))
+    for a, r in zip(got, ref):
+        if r is None:
+            assert a is None
+        elif r.norm() == 0:
+            assert torch.equal(a, torch.zeros_like(a))
+        else:
+            assert rel_err(a, r) <= 5e-5

@@ -67,13 +67,17 @@ def e4m3_round(x):
     """float32 -> float32 holding the nearest float8_e4m3fn value (ties to even, saturating at
     +-448 like cvt.rn.satfinite), by integer arithmetic (the interpreter's fp8 cast is wrong)."""
     bits = x.to(tl.int32, bitcast=True)
+    sign = bits & -2147483648
+    ax = tl.abs(x)
+    mag = ax.to(tl.int32, bitcast=True)
     # normal range: keep 3 mantissa bits, half to even; the carry may reach the exponent
-    lsb = (bits >> 20) & 1
-    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     # subnormal range (|x| < 2^-6): multiples of 2^-9, rounded by the 1.5 * 2^23 trick
-    sub = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-    r = tl.where(tl.abs(x) < 0.015625, sub, normal)
-    return tl.minimum(tl.maximum(r, -FP8_MAX), FP8_MAX)
+    sub = ((ax * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    # (NaN stays NaN, as with the GPU cast: tl.minimum would return 448 for it by default)
+    r = tl.minimum(tl.where(ax < 0.015625, sub, normal), FP8_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -7,12 +7,13 @@ import torch
 import triton
 import triton.language as tl
 
+import moe_ops
 from conftest import needs_interpreter, rel_err
 from moe_ops._runtime import kernel_for
 from moe_ops.kernels.quant_gemm import e2m1_decode, e4m3_decode, e4m3_round, e8m0_decode
 from moe_ops.launch.quant import dispatch_quantized
 from moe_ops.ops.quant_checks import check_quantized_dispatch
-from moe_ops.ops.samples import make_dispatch_inputs
+from moe_ops.ops.samples import make_dispatch_inputs, quant_dispatch_samples
 from moe_ops.reference.quant import (FP4_VALUES, dequantize_fp8_block, dequantize_mxfp4,
                                      quantize_activation_groups, quantize_fp8_block,
                                      quantized_dispatch_reference)
@@ -357,3 +358,78 @@ def test_bad_input():
     _bad(lambda: c(*margs, **mkw, block_shape=[128, 128]), ValueError, "block_shape")
     _bad(lambda: c(*margs, **mkw, activation="tanh"), ValueError, "activation")
     _bad(lambda: c(*margs, **mkw, w13_bias=torch.zeros(4, 3)), ValueError, "w13_bias")
+
+
+# ---------------------------------------------------------------- moe.dispatch
+
+@pytest.mark.parametrize("path", ["reference", "interpreter"])
+def test_op_matches_reference(request, path):
+    """torch.ops.moe.dispatch with quantized weights, on the CPU reference and the interpreted
+    kernels, against the reference computed directly."""
+    request.getfixturevalue("reference_path" if path == "reference" else "interpreter")
+    for args, kw in quant_dispatch_samples():
+        out = torch.ops.moe.dispatch(*args, **kw)
+        assert out.shape == args[0].shape and out.dtype == args[0].dtype
+        if args[0].shape[0]:
+            assert rel_err(out, quantized_dispatch_reference(*args, **kw)) < 1e-4, kw
+
+
+def test_opcheck(interpreter):
+    """opcheck's test_schema compares the inputs before and after with torch.allclose, which
+    torch does not implement for float8 (NotImplementedError "mul_cpu_reduced_float"): FP8
+    samples get the other checks and an explicit bitwise no-mutation check instead."""
+    for args, kw in quant_dispatch_samples():
+        fp8 = args[1].dtype == torch.float8_e4m3fn
+        utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+        torch.library.opcheck(torch.ops.moe.dispatch.default, args, kw,
+                              test_utils=utils if fp8 else utils + ("test_schema",))
+        if fp8:
+            before = [a.view(torch.uint8).clone() if a.dtype == torch.float8_e4m3fn
+                      else a.clone() for a in args]
+            torch.ops.moe.dispatch(*args, **kw)
+            for a, b in zip(args, before):
+                assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn
+                                   else a, b)
+
+
+def test_fake_and_meta():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args, kw = quant_dispatch_samples()[2]
+    with FakeTensorMode() as mode:
+        fa = [mode.from_tensor(a) for a in args]
+        fk = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        out = torch.ops.moe.dispatch(*fa, **fk)
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+
+
+def test_gradients_refused(reference_path):
+    """Quantized experts are frozen: asking for gradients through them raises (never a silently
+    missing gradient); a scale that requires grad is refused by name; no_grad runs."""
+    args, kw = quant_dispatch_samples()[1]
+    h, q13, q2, tw, ids = args
+    for i in (0, 3):
+        a = list(args)
+        a[i] = a[i].clone().requires_grad_(True)
+        with pytest.raises(NotImplementedError, match="hidden|topk_weights"):
+            moe_ops.dispatch(*a, **kw)
+        with torch.no_grad():
+            moe_ops.dispatch(*a, **kw)
+    with pytest.raises(ValueError, match="w13_scale"):
+        moe_ops.dispatch(*args, **{**kw, "w13_scale": kw["w13_scale"].clone().requires_grad_()})
+    with pytest.raises(NotImplementedError):
+        torch.ops.moe.dispatch_backward(torch.zeros_like(h), *args, **kw)
+
+
+def test_op_bad_input(reference_path):
+    """Through the public entry point: scales with float weights, FP8 weights without scales,
+    a hidden of FP8 dtype."""
+    args, kw = quant_dispatch_samples()[1]
+    h, q13, q2, tw, ids = args
+    wf = torch.zeros(q13.shape)
+    with pytest.raises(TypeError, match="w13_scale"):
+        moe_ops.dispatch(h, wf, torch.zeros(q2.shape), tw, ids, w13_scale=kw["w13_scale"])
+    with pytest.raises(ValueError, match="w13_scale.*required"):
+        moe_ops.dispatch(h, q13, q2, tw, ids)
+    with pytest.raises(TypeError, match="hidden"):
+        moe_ops.dispatch(h.to(torch.float8_e4m3fn), q13, q2, tw, ids, **kw)

@@ -12,6 +12,7 @@ from moe_ops._runtime import on_device, recompute_enabled, use_triton
 from moe_ops.ops._registry import _lib, define, reject_forward_ad, reject_functorch
 from moe_ops.ops.checks import (check_dispatch, check_dispatch_backward, check_ids_in_range,
                                 check_tensor_args, check_variant_types)
+from moe_ops.ops.quant_checks import is_quantized, reject_quantized_grad
 from moe_ops.reference.dispatch import dispatch_backward_reference, dispatch_reference
 
 # The expert variants (every argument optional, appended after activation; docs/contract.md):
@@ -79,6 +80,8 @@ def _forward(hidden, w13, w2, topk_weights, topk_ids, v, save_z):
     """moe.dispatch (save_z=False: out) and moe.dispatch_train (save_z=True: (out, z))."""
     check_dispatch(hidden, w13, w2, topk_weights, topk_ids, **v)
     check_ids_in_range(topk_ids, w13.shape[0])
+    if is_quantized(w13, w2):
+        return _forward_quantized(hidden, w13, w2, topk_weights, topk_ids, v, save_z)
     kw = _compute_kw(v)
     if use_triton(hidden) and hidden.dtype != torch.float64:
         from moe_ops.launch.dispatch import dispatch_triton
@@ -93,10 +96,30 @@ def _forward(hidden, w13, w2, topk_weights, topk_ids, v, save_z):
     return dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, return_z=save_z, **kw)
 
 
+def _forward_quantized(hidden, w13, w2, topk_weights, topk_ids, v, save_z):
+    """FP8 block-scaled or MXFP4 expert weights (issue 42): the quantized kernels on CUDA and
+    in the interpreter, the W8A8 / dequantizing reference on the CPU otherwise."""
+    if save_z:
+        raise NotImplementedError("moe.dispatch_train (the training forward) does not take "
+                                  "quantized expert weights: they are frozen, and gradients "
+                                  "through them are not implemented")
+    if use_triton(hidden):
+        from moe_ops.launch.quant import dispatch_quantized
+
+        with on_device(hidden):
+            return dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, **v, check=False)
+    from moe_ops.reference.quant import quantized_dispatch_reference
+
+    return quantized_dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, **v,
+                                        compute_dtype=torch.float32).to(hidden.dtype)
+
+
 def _backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, v):
     """moe.dispatch_backward (z=None: recomputed) and moe.dispatch_backward_saved: the six
     gradients (the bias ones empty where the forward got no bias)."""
     check_dispatch_backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, **v)
+    if is_quantized(w13, w2):
+        reject_quantized_grad()
     kw = _compute_kw(v)
     if use_triton(hidden) and hidden.dtype != torch.float64:
         from moe_ops.launch.dispatch_backward import dispatch_backward_triton
@@ -283,6 +306,8 @@ def _dispatch_autograd(keyset, hidden, w13, w2, topk_weights, topk_ids, *args, *
     grad_inputs = [t for t in (hidden, w13, w2, topk_weights, b13, b2) if t is not None]
     reject_forward_ad("moe.dispatch", *grad_inputs)
     if torch.is_grad_enabled() and torch._C._any_requires_grad(*grad_inputs):
+        if is_quantized(w13, w2):
+            reject_quantized_grad(hidden, topk_weights, b13, b2)
         reject_functorch("moe.dispatch")
         rest = {k: x for k, x in v.items() if k not in ("w13_bias", "w2_bias")}
         return _DispatchFunction.apply(hidden, w13, w2, topk_weights, topk_ids, b13, b2, below,

@@ -27,15 +27,15 @@ import triton.language as tl
 
 from moe_ops.kernels.expert_gemm import grouped_tile
 
-FP8_MAX: tl.constexpr = 448.0
-ACT_AMAX_FLOOR: tl.constexpr = 1e-30   # moe_ops.reference.quant.ACT_AMAX_FLOOR
+FP8_MAX = tl.constexpr(448.0)
+ACT_AMAX_FLOOR = tl.constexpr(1e-30)   # moe_ops.reference.quant.ACT_AMAX_FLOOR
 
 # activation codes (moe_ops.launch.quant.ACTIVATIONS)
-SILU: tl.constexpr = 0
-GELU: tl.constexpr = 1
-GELU_TANH: tl.constexpr = 2
-RELU: tl.constexpr = 3
-SWIGLU_OAI: tl.constexpr = 4
+SILU = tl.constexpr(0)
+GELU = tl.constexpr(1)
+GELU_TANH = tl.constexpr(2)
+RELU = tl.constexpr(3)
+SWIGLU_OAI = tl.constexpr(4)
 
 
 @triton.jit
@@ -127,69 +127,74 @@ def quantize_rows(a, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def weight_tile(w_ptr, s_ptr, e, wrows, wmask, k0, K, stride_we, stride_wn, stride_wk,
-                stride_se, stride_sn, stride_sk, scale_bn, OP_DTYPE: tl.constexpr,
+def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl.constexpr,
                 WFMT: tl.constexpr, QUANT_A: tl.constexpr, EMULATE: tl.constexpr,
                 BLOCK_K: tl.constexpr):
-    """(b [BLOCK_K, BLOCK_N], per-column scale [BLOCK_N] float32) of expert e's weight rows
-    `wrows` (int64, masked by wmask) and reduction columns k0..k0+BLOCK_K. FP8: b is the fp8
-    tile (QUANT_A) or its exact conversion to OP_DTYPE, the scale the [bn, bk] block's;
+    """(b [BLOCK_K, BLOCK_N], per-column scale [BLOCK_N] float32) of reduction columns
+    k0..k0+BLOCK_K of the weight rows starting at the pointers `w_rows` (masked by wmask), whose
+    scales start at `s_rows` (FP8: the row's [bn, bk] block row; MXFP4: the row's scales). FP8:
+    b is the fp8 tile (QUANT_A) or its exact conversion to OP_DTYPE, the scale the block's;
     MXFP4: b the decoded tile in OP_DTYPE (scales applied), the column scale 1."""
-    BN: tl.constexpr = wrows.shape[0]
     if WFMT == 1:
         offs_k = tl.arange(0, BLOCK_K)
         k_mask = offs_k < K - k0
-        b = tl.load(w_ptr + e * stride_we + wrows[None, :] * stride_wn
-                    + (k0 + offs_k)[:, None] * stride_wk,
-                    mask=k_mask[:, None] & wmask[None, :], other=0)
-        s = tl.load(s_ptr + e * stride_se + (wrows // scale_bn) * stride_sn
-                    + (k0 // BLOCK_K) * stride_sk, mask=wmask, other=0.0)
+        b = tl.load(w_rows[None, :] + (k0 + offs_k)[:, None] * stride_wk,
+                    mask=k_mask[:, None] & wmask[None, :], other=0.0)
+        scale = tl.load(s_rows + (k0 // BLOCK_K) * stride_sk, mask=wmask, other=0.0)
         if EMULATE:
             b = e4m3_decode(b)
         elif not QUANT_A:
             b = b.to(OP_DTYPE)
-        return b, s
     else:
         # [BN, BLOCK_K // 2] packed bytes -> [BN, BLOCK_K] values, low nibble first
+        BN: tl.constexpr = w_rows.shape[0]
         offs_p = tl.arange(0, BLOCK_K // 2)
         p_mask = offs_p < (K - k0) // 2
-        p = tl.load(w_ptr + e * stride_we + wrows[:, None] * stride_wn
-                    + (k0 // 2 + offs_p)[None, :] * stride_wk,
+        p = tl.load(w_rows[:, None] + (k0 // 2 + offs_p)[None, :] * stride_wk,
                     mask=wmask[:, None] & p_mask[None, :], other=0).to(tl.int32)
         v = tl.reshape(tl.join(e2m1_decode(p & 15), e2m1_decode(p >> 4)), (BN, BLOCK_K))
         offs_g = tl.arange(0, BLOCK_K // 32)
         g_mask = offs_g < (K - k0) // 32
-        sc = tl.load(s_ptr + e * stride_se + wrows[:, None] * stride_sn
-                     + (k0 // 32 + offs_g)[None, :] * stride_sk,
+        sc = tl.load(s_rows[:, None] + (k0 // 32 + offs_g)[None, :] * stride_sk,
                      mask=wmask[:, None] & g_mask[None, :], other=0)
         v = tl.reshape(tl.reshape(v, (BN, BLOCK_K // 32, 32)) * e8m0_decode(sc)[:, :, None],
                        (BN, BLOCK_K))
-        return tl.trans(v.to(OP_DTYPE)), tl.full((BN,), 1.0, tl.float32)
+        b = tl.trans(v.to(OP_DTYPE))
+        scale = tl.full((BN,), 1.0, tl.float32)
+    return b, scale
 
 
 @triton.jit
 def mma_step(acc, a, a_scale, b, b_scale, WFMT: tl.constexpr, QUANT_A: tl.constexpr,
              DOT_PRECISION: tl.constexpr):
-    """acc + this K step's product (see the module docstring for each format)."""
+    """acc + this K step's product (see the module docstring for each format). (One return:
+    code after a return under a compile-time `if` is still compiled.)"""
     if WFMT == 1:
         part = tl.dot(a, b, input_precision=DOT_PRECISION, out_dtype=tl.float32)
         if QUANT_A:
-            return acc + part * a_scale[:, None] * b_scale[None, :]
-        return acc + part * b_scale[None, :]
-    return tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+            acc = acc + part * a_scale[:, None] * b_scale[None, :]
+        else:
+            acc = acc + part * b_scale[None, :]
+    else:
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+    return acc
 
 
 @triton.jit
 def load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A: tl.constexpr, SCALE_ROWS: tl.constexpr,
            OP_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     """The A operand of a K step: the rows (times their routing weight when SCALE_ROWS, in
-    float32), quantized per row (QUANT_A: (fp8 tile, scales)) or in OP_DTYPE (scales None)."""
+    float32), quantized per row (QUANT_A: the fp8 tile and its row scales) or in OP_DTYPE
+    (scales: ones, unused)."""
     a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
     if SCALE_ROWS:
         a = a.to(tl.float32) * tw[:, None]
     if QUANT_A:
-        return quantize_rows(a.to(tl.float32), EMULATE)
-    return a.to(OP_DTYPE), None
+        q, a_scale = quantize_rows(a.to(tl.float32), EMULATE)
+    else:
+        q = a.to(OP_DTYPE)
+        a_scale = tl.full((q.shape[0],), 1.0, tl.float32)
+    return q, a_scale
 
 
 @triton.jit
@@ -231,19 +236,24 @@ def quant_gate_up_kernel(
                      mask=row_valid, other=0.0).to(tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    w_e = w_ptr + e * stride_we
+    s_e = s_ptr + e * stride_se
+    g_w, u_w = w_e + g_rows * stride_wn, w_e + u_rows * stride_wn
+    if WFMT == 1:   # the scale row of each weight row: its [bn, bk] block's
+        g_s, u_s = s_e + (g_rows // scale_bn) * stride_sn, s_e + (u_rows // scale_bn) * stride_sn
+    else:
+        g_s, u_s = s_e + g_rows * stride_sn, s_e + u_rows * stride_sn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
         a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A, WEIGHTS_ON_INPUT, OP_DTYPE,
                             EMULATE)
-        bg, sg = weight_tile(w_ptr, s_ptr, e, g_rows, n_mask, k0, H, stride_we, stride_wn,
-                             stride_wk, stride_se, stride_sn, stride_sk, scale_bn, OP_DTYPE,
-                             WFMT, QUANT_A, EMULATE, BLOCK_K)
+        bg, sg = weight_tile(g_w, g_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
+                             QUANT_A, EMULATE, BLOCK_K)
         acc_g = mma_step(acc_g, a, a_scale, bg, sg, WFMT, QUANT_A, DOT_PRECISION)
-        bu, su = weight_tile(w_ptr, s_ptr, e, u_rows, n_mask, k0, H, stride_we, stride_wn,
-                             stride_wk, stride_se, stride_sn, stride_sk, scale_bn, OP_DTYPE,
-                             WFMT, QUANT_A, EMULATE, BLOCK_K)
+        bu, su = weight_tile(u_w, u_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
+                             QUANT_A, EMULATE, BLOCK_K)
         acc_u = mma_step(acc_u, a, a_scale, bu, su, WFMT, QUANT_A, DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_xh
     if HAS_BIAS:
@@ -277,12 +287,16 @@ def quant_down_kernel(
     a_ptrs = act_ptr + rows[:, None] * stride_am + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     tw = tl.zeros((BLOCK_M,), tl.float32)
+    w_n = w_ptr + e * stride_we + offs_n64 * stride_wn
+    if WFMT == 1:
+        s_n = s_ptr + e * stride_se + (offs_n64 // scale_bn) * stride_sn
+    else:
+        s_n = s_ptr + e * stride_se + offs_n64 * stride_sn
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A, False, OP_DTYPE, EMULATE)
-        b, sb = weight_tile(w_ptr, s_ptr, e, offs_n64, n_mask, k0, I, stride_we, stride_wn,
-                            stride_wk, stride_se, stride_sn, stride_sk, scale_bn, OP_DTYPE,
-                            WFMT, QUANT_A, EMULATE, BLOCK_K)
+        b, sb = weight_tile(w_n, s_n, n_mask, k0, I, stride_wk, stride_sk, OP_DTYPE, WFMT,
+                            QUANT_A, EMULATE, BLOCK_K)
         acc = mma_step(acc, a, a_scale, b, sb, WFMT, QUANT_A, DOT_PRECISION)
         a_ptrs += BLOCK_K
     if HAS_BIAS:

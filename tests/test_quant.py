@@ -6,17 +6,22 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from conftest import needs_interpreter, rel_err
 
 import moe_ops
-from conftest import needs_interpreter, rel_err
 from moe_ops._runtime import kernel_for
 from moe_ops.kernels.quant_gemm import e2m1_decode, e4m3_decode, e4m3_round, e8m0_decode
 from moe_ops.launch.quant import dispatch_quantized
 from moe_ops.ops.quant_checks import check_quantized_dispatch
 from moe_ops.ops.samples import make_dispatch_inputs, quant_dispatch_samples
-from moe_ops.reference.quant import (FP4_VALUES, dequantize_fp8_block, dequantize_mxfp4,
-                                     quantize_activation_groups, quantize_fp8_block,
-                                     quantized_dispatch_reference)
+from moe_ops.reference.quant import (
+    FP4_VALUES,
+    dequantize_fp8_block,
+    dequantize_mxfp4,
+    quantize_activation_groups,
+    quantize_fp8_block,
+    quantized_dispatch_reference,
+)
 
 
 def _seed():

@@ -68,6 +68,19 @@ def dequantize_weights(w, scale, block_shape=None, dtype=torch.float32):
     return w.to(dtype)
 
 
+class LazyDequantized:
+    """A quantized [E, N, K] weight that dequantizes one expert when indexed (`w[e]`): the
+    references never hold every expert dequantized (DeepSeek-V3's w13 in float64 is 60 GB)."""
+
+    def __init__(self, w, scale, block_shape, dtype):
+        self.w, self.scale, self.block_shape, self.dtype = w, scale, block_shape, dtype
+        E, N, K = w.shape
+        self.shape = (E, N, 2 * K if weight_format(w) == "mxfp4" else K)
+
+    def __getitem__(self, e):
+        return dequantize_weights(self.w[e], self.scale[e], self.block_shape, self.dtype)
+
+
 def quantize_fp8_block(w: torch.Tensor, block_shape=DEFAULT_BLOCK_SHAPE):
     """(float8_e4m3fn weight, float32 scale) of a float [E, N, K] (or [N, K]) weight, scale =
     block amax / 448 (DeepSeek-V3's weight_scale_inv; an all-zero block gets scale 1): for tests
@@ -184,12 +197,12 @@ def quantized_dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activa
     as the kernels do (a rounded to hidden's dtype first, as the kernels store it); else
     unquantized activations (the float64 computation on the dequantized weights, the issue's
     accuracy anchor). act_dtype: the dtype a is stored in between the GEMMs (default hidden's;
-    the interpreter keeps bfloat16 intermediates in float32). This is also moe.dispatch's CPU kernel (emulate_kernel=True,
-    compute_dtype float32, the result cast to hidden's dtype)."""
+    the interpreter keeps bfloat16 intermediates in float32). This is also moe.dispatch's CPU
+    kernel (emulate_kernel=True, compute_dtype float32, the result cast to hidden's dtype)."""
     fmt = weight_format(w13)
     bs = tuple(block_shape) if block_shape is not None else DEFAULT_BLOCK_SHAPE
-    w13f = dequantize_weights(w13, w13_scale, bs, compute_dtype)
-    w2f = dequantize_weights(w2, w2_scale, bs, compute_dtype)
+    w13f = LazyDequantized(w13, w13_scale, bs, compute_dtype)
+    w2f = LazyDequantized(w2, w2_scale, bs, compute_dtype)
     qa = fmt == "fp8" and quantize_activations and emulate_kernel
     return dense_dispatch_reference(
         hidden, w13f, w2f, topk_weights, topk_ids, activation, w13_bias, w2_bias, alpha, limit,

@@ -408,20 +408,33 @@ def test_fake_and_meta():
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
 
 
-def test_gradients_refused(reference_path):
-    """Quantized experts are frozen: asking for gradients through them raises (never a silently
-    missing gradient); a scale that requires grad is refused by name; no_grad runs."""
-    args, kw = quant_dispatch_samples()[1]
+@pytest.mark.parametrize("which", [1, 4])
+def test_gradients_through_frozen_experts(reference_path, which):
+    """hidden, topk_weights and the biases get gradients through quantized experts: those of
+    the float64 computation on the dequantized weights (activation quantization taken as the
+    identity); the experts are frozen (a scale that requires grad is refused by name); the
+    internal backward op refuses quantized weights."""
+    args, kw = quant_dispatch_samples()[which]
     h, q13, q2, tw, ids = args
-    for i in (0, 3):
-        a = list(args)
-        a[i] = a[i].clone().requires_grad_(True)
-        with pytest.raises(NotImplementedError, match="hidden|topk_weights"):
-            moe_ops.dispatch(*a, **kw)
-        with torch.no_grad():
-            moe_ops.dispatch(*a, **kw)
-    with pytest.raises(ValueError, match="w13_scale"):
-        moe_ops.dispatch(*args, **{**kw, "w13_scale": kw["w13_scale"].clone().requires_grad_()})
+    E, I2 = q13.shape[:2]
+    kw = dict(kw, w13_bias=torch.randn(E, I2) * 0.1, w2_bias=torch.randn(E, h.shape[1]) * 0.1)
+    leaves = [h.clone().requires_grad_(True), tw.clone().requires_grad_(True),
+              kw["w13_bias"].clone().requires_grad_(True), kw["w2_bias"].clone().requires_grad_(True)]
+    kw_g = dict(kw, w13_bias=leaves[2], w2_bias=leaves[3])
+    out = moe_ops.dispatch(leaves[0], q13, q2, leaves[1], ids, **kw_g)
+    go = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, go)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref = quantized_dispatch_reference(ref_leaves[0], q13, q2, ref_leaves[1], ids,
+                                       **dict(kw, w13_bias=ref_leaves[2], w2_bias=ref_leaves[3]),
+                                       emulate_kernel=False)
+    want = torch.autograd.grad(ref, ref_leaves, go.double())
+    for name, a, b in zip(("hidden", "topk_weights", "w13_bias", "w2_bias"), got, want):
+        assert a.shape == b.shape and a.dtype == leaves[0].dtype
+        assert rel_err(a, b) < 1e-5, name
+    if kw["w13_scale"].is_floating_point():      # (uint8 e8m0 scales cannot require grad)
+        with pytest.raises(ValueError, match="w13_scale"):
+            moe_ops.dispatch(*args, **{**kw, "w13_scale": kw["w13_scale"].clone().requires_grad_()})
     with pytest.raises(NotImplementedError):
         torch.ops.moe.dispatch_backward(torch.zeros_like(h), *args, **kw)
 

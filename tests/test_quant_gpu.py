@@ -208,3 +208,20 @@ def test_peak_memory():
     print(f"peak extra {extra / 2**20:.0f} MiB; intermediates bound {expected / 2**20:.0f} MiB; "
           f"one dequantized expert's w13 {one_expert_bf16 / 2**20:.0f} MiB, "
           f"all {E * one_expert_bf16 / 2**30:.1f} GiB")
+
+
+def test_gradients_through_frozen_experts():
+    """hidden and topk_weights get the float64 gradients of the computation on the dequantized
+    weights (activation quantization as the identity) on CUDA too."""
+    args, kw = _small_fp8(T=32, E=8, K=2, H=256, I=128)
+    h = args[0].clone().requires_grad_(True)
+    tw = args[3].clone().requires_grad_(True)
+    out = moe_ops.dispatch(h, args[1], args[2], tw, args[4], **kw)
+    go = torch.randn_like(out)
+    gh, gw = torch.autograd.grad(out, (h, tw), go)
+    hd = args[0].detach().double().requires_grad_(True)
+    twd = args[3].detach().double().requires_grad_(True)
+    ref = quantized_dispatch_reference(hd, args[1], args[2], twd, args[4], **kw,
+                                       emulate_kernel=False)
+    rh, rw = torch.autograd.grad(ref, (hd, twd), go.double())
+    assert rel_err(gh, rh) < 2e-2 and rel_err(gw, rw) < 1e-4

@@ -306,10 +306,13 @@ def _dispatch_autograd(keyset, hidden, w13, w2, topk_weights, topk_ids, *args, *
     grad_inputs = [t for t in (hidden, w13, w2, topk_weights, b13, b2) if t is not None]
     reject_forward_ad("moe.dispatch", *grad_inputs)
     if torch.is_grad_enabled() and torch._C._any_requires_grad(*grad_inputs):
-        if is_quantized(w13, w2):
-            reject_quantized_grad(hidden, topk_weights, b13, b2)
         reject_functorch("moe.dispatch")
         rest = {k: x for k, x in v.items() if k not in ("w13_bias", "w2_bias")}
+        if is_quantized(w13, w2):   # frozen experts: gradients for the other inputs only
+            from moe_ops.ops.quant_autograd import QuantizedDispatchFunction
+
+            return QuantizedDispatchFunction.apply(hidden, w13, w2, topk_weights, topk_ids,
+                                                   b13, b2, below, rest)
         return _DispatchFunction.apply(hidden, w13, w2, topk_weights, topk_ids, b13, b2, below,
                                        rest)
     with torch._C._AutoDispatchBelowAutograd():

@@ -149,16 +149,10 @@ def check_quantized_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation
     return fmt, H, I, bn, bk
 
 
-def reject_quantized_grad(hidden=None, topk_weights=None, w13_bias=None, w2_bias=None):
-    """Quantized experts are frozen, and gradients through them are not implemented yet: a
-    clear error instead of missing or wrong gradients. With no argument (a direct call of the
-    internal backward ops) it raises unconditionally."""
-    named = (("hidden", hidden), ("topk_weights", topk_weights), ("w13_bias", w13_bias),
-             ("w2_bias", w2_bias))
-    need = [name for name, t in named if isinstance(t, torch.Tensor) and t.requires_grad]
-    if need or all(t is None for _, t in named):
-        why = f": {', '.join(need)} require{'s' if len(need) == 1 else ''} grad" if need else ""
-        raise NotImplementedError(
-            f"moe.dispatch with quantized (FP8/MXFP4) expert weights has no backward{why}. "
-            f"Run it under torch.no_grad() / torch.inference_mode(), or dequantize the weights "
-            f"(moe_ops.reference.quant.dequantize_weights) for training")
+def reject_quantized_grad():
+    """The internal backward ops (moe.dispatch_backward / _saved) compute weight gradients and
+    do not take quantized weights: moe.dispatch's autograd differentiates through frozen
+    quantized experts itself (moe_ops.ops.quant_autograd)."""
+    raise NotImplementedError(
+        "moe.dispatch_backward does not take quantized (FP8/MXFP4) expert weights: they are "
+        "frozen; moe.dispatch's autograd gives gradients for hidden, topk_weights and the biases")

@@ -208,3 +208,61 @@ def quantized_dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activa
         hidden, w13f, w2f, topk_weights, topk_ids, activation, w13_bias, w2_bias, alpha, limit,
         gate_up_interleaved, weights_on_input, quantize_act_bk=bs[1] if qa else None,
         act_dtype=(act_dtype or hidden.dtype) if qa else None, compute_dtype=compute_dtype)
+
+
+def quantized_dispatch_backward_reference(grad_out, hidden, w13, w2, topk_weights, topk_ids,
+                                          activation="silu", w13_bias=None, w2_bias=None,
+                                          alpha=1.702, limit=7.0, gate_up_interleaved=False,
+                                          weights_on_input=False, w13_scale=None, w2_scale=None,
+                                          block_shape=None, quantize_activations=True,
+                                          compute_dtype=torch.float32):
+    """Gradients through frozen quantized experts: (d hidden, d topk_weights, d w13_bias,
+    d w2_bias) (None for an absent bias), the weights dequantized one expert at a time. The
+    activations' quantization (W8A8) counts as the identity (a straight-through estimator: its
+    derivative is zero almost everywhere), so this is the gradient of the computation on the
+    dequantized weights with unquantized activations. Each expert's slots are differentiated
+    by autograd on their own small float graph (compute_dtype)."""
+    T, H = hidden.shape
+    cd = compute_dtype
+    bs = tuple(block_shape) if block_shape is not None else DEFAULT_BLOCK_SHAPE
+    w13f = LazyDequantized(w13, w13_scale, bs, cd)
+    w2f = LazyDequantized(w2, w2_scale, bs, cd)
+    E, I = w2f.shape[0], w2f.shape[2]
+    K = topk_ids.shape[1]
+    dev = hidden.device
+    dx = torch.zeros(T, H, dtype=cd, device=dev)
+    dw = torch.zeros(topk_ids.numel(), dtype=cd, device=dev)
+    db13 = None if w13_bias is None else torch.zeros(w13_bias.shape, dtype=cd, device=dev)
+    db2 = None if w2_bias is None else torch.zeros(w2_bias.shape, dtype=cd, device=dev)
+    flat = topk_ids.reshape(-1).long()
+    go = grad_out.to(cd)
+    with torch.enable_grad():
+        for e in flat[(flat >= 0) & (flat < E)].unique().tolist():
+            slots = (flat == e).nonzero().flatten()
+            tok = torch.div(slots, K, rounding_mode="floor")
+            x = hidden[tok].detach().to(cd).requires_grad_(True)
+            s = topk_weights.reshape(-1)[slots].detach().to(cd)[:, None].requires_grad_(True)
+            b13 = None if w13_bias is None else w13_bias[e].detach().to(cd).requires_grad_(True)
+            b2 = None if w2_bias is None else w2_bias[e].detach().to(cd).requires_grad_(True)
+            z = (x * s if weights_on_input else x) @ w13f[e].t()
+            if b13 is not None:
+                z = z + b13
+            g, u = (z[:, 0::2], z[:, 1::2]) if gate_up_interleaved else (z[:, :I], z[:, I:])
+            y = apply_activation(g, u, activation, alpha, limit) @ w2f[e].t()
+            if b2 is not None:
+                y = y + b2
+            if not weights_on_input:
+                y = y * s
+            inputs = [t for t in (x, s, b13, b2) if t is not None]
+            grads = torch.autograd.grad(y, inputs, go[tok])
+            dx.index_add_(0, tok, grads[0])
+            dw[slots] = grads[1][:, 0]
+            i = 2
+            if b13 is not None:
+                db13[e] = grads[i]
+                i += 1
+            if b2 is not None:
+                db2[e] = grads[i]
+    return (dx.to(hidden.dtype), dw.view(topk_weights.shape).to(topk_weights.dtype),
+            None if db13 is None else db13.to(w13_bias.dtype),
+            None if db2 is None else db2.to(w2_bias.dtype))

@@ -350,8 +350,6 @@ def test_bad_input():
     _bad(lambda: c(*args, block_shape=[16, 16]), ValueError, "w13_scale", "required")
     _bad(lambda: c(h.to(torch.float8_e4m3fn), q13, q2, tw, ids, **kw), TypeError, "hidden")
     _bad(lambda: c(h, q13.float(), q2, tw, ids, **kw), TypeError, "w13", "w2")
-    s = kw["w13_scale"].clone().requires_grad_(True)
-    _bad(lambda: c(*args, **{**kw, "w13_scale": s}), ValueError, "w13_scale", "frozen")
     margs, mkw, _ = mxfp4_inputs(3, 64, 32, 4, 2)
     mh, b13, b2, mtw, mids = margs
     _bad(lambda: c(mh[:, :48], b13, b2, mtw, mids, **mkw), ValueError, "H")
@@ -433,8 +431,11 @@ def test_gradients_through_frozen_experts(reference_path, which):
         assert a.shape == b.shape and a.dtype == leaves[0].dtype
         assert rel_err(a, b) < 1e-5, name
     if kw["w13_scale"].is_floating_point():      # (uint8 e8m0 scales cannot require grad)
-        with pytest.raises(ValueError, match="w13_scale"):
-            moe_ops.dispatch(*args, **{**kw, "w13_scale": kw["w13_scale"].clone().requires_grad_()})
+        s13 = kw["w13_scale"].clone().requires_grad_()
+        with pytest.raises(ValueError, match="w13_scale.*frozen"):
+            moe_ops.dispatch(*args, **{**kw, "w13_scale": s13})
+        with torch.no_grad():     # inference reads a trainable scale as it is
+            moe_ops.dispatch(*args, **{**kw, "w13_scale": s13})
     with pytest.raises(NotImplementedError):
         torch.ops.moe.dispatch_backward(torch.zeros_like(h), *args, **kw)
 
@@ -451,3 +452,85 @@ def test_op_bad_input(reference_path):
         moe_ops.dispatch(h, q13, q2, tw, ids)
     with pytest.raises(TypeError, match="hidden"):
         moe_ops.dispatch(h.to(torch.float8_e4m3fn), q13, q2, tw, ids, **kw)
+
+
+# ---------------------------------------------------------------- transformers
+
+def test_hf_fp8_experts(interpreter):
+    """transformers' FineGrainedFP8 experts (FP8Experts) run through moe.dispatch on their own
+    parameters: against transformers' dequantization and gating in float64 (<= 6e-2, W8A8) and
+    against the W8A8 reference (<= 1e-4, float32 activations); "moe_ops" joins the FP8 experts
+    interface."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from transformers import Qwen3MoeConfig
+
+    from moe_ops.integrations.hf_quant import fp8_experts_forward, register_fp8_experts_interface
+
+    E, H, I, T, K = 4, 256, 128, 6, 2
+    experts = fp8.FP8Experts(Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I,
+                                            num_experts=E, num_experts_per_tok=K),
+                             block_size=(128, 128))
+    g = torch.Generator().manual_seed(_seed())
+    q13, s13 = quantize_fp8_block(torch.randn(E, 2 * I, H, generator=g) * 0.05, (128, 128))
+    q2, s2 = quantize_fp8_block(torch.randn(E, H, I, generator=g) * 0.05, (128, 128))
+    with torch.no_grad():
+        for name, t in (("gate_up_proj", q13), ("gate_up_proj_scale_inv", s13),
+                        ("down_proj", q2), ("down_proj_scale_inv", s2)):
+            getattr(experts, name).data = t
+    x = torch.randn(T, H, generator=g)
+    w, ids = torch.rand(T, E, generator=g).softmax(-1).topk(K, -1)
+    out = fp8_experts_forward(experts, x, ids, w)
+    # transformers' own arithmetic on its dequantized weights
+    deq = getattr(fp8, "_dequantize_fp8_weight", None)
+    if deq is None:
+        pytest.skip("this transformers has no _dequantize_fp8_weight (not run)")
+    d13 = deq(q13, s13, [128, 128], torch.float64)
+    d2 = deq(q2, s2, [128, 128], torch.float64)
+    ref = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            a = experts._apply_gate(x[t].double() @ d13[e].t())
+            ref[t] += w[t, k].double() * (a @ d2[e].t())
+    assert rel_err(out, ref) < 6e-2
+    kw = dict(w13_scale=s13, w2_scale=s2, block_shape=[128, 128])
+    assert rel_err(out, quantized_dispatch_reference(x, q13, q2, w, ids, **kw)) < 1e-4
+    assert register_fp8_experts_interface()
+    assert fp8.ALL_FP8_EXPERTS_FUNCTIONS["moe_ops"] is fp8_experts_forward
+
+
+def test_hf_mxfp4_attach(interpreter):
+    """gpt-oss's raw checkpoint tensors ([E, N, K/32, 16] blocks) attached to an experts
+    module run with its biases, alpha and limit, as transformers dequantizes and computes them
+    (convert_moe_packed_tensors, GptOssExperts' arithmetic) in float64."""
+    mx = pytest.importorskip("transformers.integrations.mxfp4")
+    from moe_ops.integrations.hf_quant import attach_mxfp4, mxfp4_experts_forward
+
+    E, H, I, T, K = 4, 64, 64, 5, 2
+    g = torch.Generator().manual_seed(_seed())
+    kw = dict(generator=g, dtype=torch.uint8)
+    blocks13 = torch.randint(0, 256, (E, 2 * I, H // 32, 16), **kw)
+    scales13 = torch.randint(119, 123, (E, 2 * I, H // 32), **kw)
+    blocks2 = torch.randint(0, 256, (E, H, I // 32, 16), **kw)
+    scales2 = torch.randint(119, 123, (E, H, I // 32), **kw)
+    experts = torch.nn.Module()
+    experts.alpha, experts.limit = 1.702, 7.0
+    experts.gate_up_proj_bias = torch.nn.Parameter(torch.randn(E, 2 * I, generator=g) * 0.1)
+    experts.down_proj_bias = torch.nn.Parameter(torch.randn(E, H, generator=g) * 0.1)
+    attach_mxfp4(experts, blocks13, scales13, blocks2, scales2)
+    x = torch.randn(T, H, generator=g)
+    w, ids = torch.rand(T, E, generator=g).softmax(-1).topk(K, -1)
+    with torch.no_grad():
+        out = mxfp4_experts_forward(experts, x, ids, w)
+    # GptOssExperts: gate_up_proj [E, H, 2I] (dequantized, transposed), gate = [..., ::2]
+    gu = mx.convert_moe_packed_tensors(blocks13, scales13, dtype=torch.float32).double()
+    dn = mx.convert_moe_packed_tensors(blocks2, scales2, dtype=torch.float32).double()
+    ref = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            h = x[t].double() @ gu[e] + experts.gate_up_proj_bias[e].double()
+            gate, up = h[::2].clamp(max=7.0), h[1::2].clamp(-7.0, 7.0)
+            a = (up + 1) * gate * torch.sigmoid(gate * 1.702)
+            ref[t] += w[t, k].double() * (a @ dn[e] + experts.down_proj_bias[e].double())
+    assert rel_err(out, ref) < 1e-5

@@ -12,7 +12,7 @@ from moe_ops._runtime import on_device, recompute_enabled, use_triton
 from moe_ops.ops._registry import _lib, define, reject_forward_ad, reject_functorch
 from moe_ops.ops.checks import (check_dispatch, check_dispatch_backward, check_ids_in_range,
                                 check_tensor_args, check_variant_types)
-from moe_ops.ops.quant_checks import is_quantized, reject_quantized_grad
+from moe_ops.ops.quant_checks import is_quantized, reject_quantized_grad, reject_scale_grad
 from moe_ops.reference.dispatch import dispatch_backward_reference, dispatch_reference
 
 # The expert variants (every argument optional, appended after activation; docs/contract.md):
@@ -305,6 +305,8 @@ def _dispatch_autograd(keyset, hidden, w13, w2, topk_weights, topk_ids, *args, *
     b13, b2 = v["w13_bias"], v["w2_bias"]
     grad_inputs = [t for t in (hidden, w13, w2, topk_weights, b13, b2) if t is not None]
     reject_forward_ad("moe.dispatch", *grad_inputs)
+    if torch.is_grad_enabled() and is_quantized(w13, w2):
+        reject_scale_grad(v["w13_scale"], v["w2_scale"])
     if torch.is_grad_enabled() and torch._C._any_requires_grad(*grad_inputs):
         reject_functorch("moe.dispatch")
         rest = {k: x for k, x in v.items() if k not in ("w13_bias", "w2_bias")}

@@ -83,9 +83,6 @@ def check_quantized_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation
         want = torch.float32 if fmt == "fp8" else torch.uint8
         if s.dtype != want:
             raise TypeError(f"{name} must be {want} with {fmt} weights, got {s.dtype}")
-        if s.requires_grad:
-            raise ValueError(f"{name} requires grad: quantized expert weights are frozen (no "
-                             f"gradient for them or their scales); pass {name}.detach()")
     T, H = hidden.shape
     E = w13.shape[0]
     if fmt == "fp8":
@@ -147,6 +144,17 @@ def check_quantized_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation
         raise ValueError("FP8 W8A8 (quantize_activations=True) needs a GPU with FP8 tensor cores "
                          "(sm_89+); pass quantize_activations=False for W8A16")
     return fmt, H, I, bn, bk
+
+
+def reject_scale_grad(w13_scale, w2_scale):
+    """With grad mode on: quantized expert weights and their scales are frozen, so a scale that
+    requires grad (a float32 nn.Parameter left trainable) is refused by name instead of
+    getting a silently missing gradient. (Under no_grad / inference_mode it is read as is.)"""
+    for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if isinstance(s, torch.Tensor) and s.requires_grad:
+            raise ValueError(f"{name} requires grad: quantized expert weights are frozen (no "
+                             f"gradient for them or their scales); pass {name}.detach() or "
+                             f"set requires_grad_(False) on it")
 
 
 def reject_quantized_grad():

@@ -64,7 +64,9 @@ def fp8_dispatch_kwargs(experts) -> dict:
     s13, s2 = experts.gate_up_proj_scale_inv.detach(), experts.down_proj_scale_inv.detach()
     if s13.dtype != torch.float32:     # ue8m0 (float8_e8m0fnu): powers of two, exact in float32
         s13, s2 = s13.float(), s2.float()
-    return dict(kw, w13_scale=s13, w2_scale=s2, block_shape=[int(b) for b in bs])
+    # moe_ops_quantize_activations (set on the module): False runs W8A16 (bf16 activations)
+    return dict(kw, w13_scale=s13, w2_scale=s2, block_shape=[int(b) for b in bs],
+                quantize_activations=bool(getattr(experts, "moe_ops_quantize_activations", True)))
 
 
 def _dispatch(self, w13, w2, hidden_states, top_k_index, top_k_weights, kw):

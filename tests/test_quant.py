@@ -9,7 +9,7 @@ import triton.language as tl
 from conftest import needs_interpreter, rel_err
 
 import moe_ops
-from moe_ops._runtime import kernel_for
+from moe_ops.launch._common import kernel_for
 from moe_ops.kernels.quant_gemm import e2m1_decode, e4m3_decode, e4m3_round, e8m0_decode
 from moe_ops.launch.quant import dispatch_quantized
 from moe_ops.ops.quant_checks import check_quantized_dispatch
@@ -161,6 +161,14 @@ def test_e2m1_e8m0_decode():
 
 # ---------------------------------------------------------------- FP8 through the interpreter
 
+# W8A8 against unquantized activations at these tiny shapes (16-32 column groups, a few
+# tokens): over 150 seeds per case the reference itself is at a median of 3.6-4.1% (issue 42's
+# 4%) with a tail to 10% (T = 1, K = 3); issue 42's 6e-2 holds at real shapes, where the error
+# averages over many more elements: tests/test_quant_gpu.py checks it there. The kernels' own
+# correctness is the comparison with the same quantization (1e-4).
+TINY_W8A8_VS_UNQUANTIZED = 0.15
+
+
 def _errors(out, args, kw, **more):
     """(error against the W8A8 reference with the same activation quantization, against
     float64 on the dequantized weights with unquantized activations)."""
@@ -188,7 +196,7 @@ def test_fp8_w8a8(interpreter, case):
     same_q, unquantized = _errors(out, args, kw)
     # float32 activations: only the float32 accumulation order differs from the reference
     assert same_q < 1e-4, same_q
-    assert unquantized < 6e-2, unquantized
+    assert unquantized < TINY_W8A8_VS_UNQUANTIZED, unquantized
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -200,7 +208,7 @@ def test_fp8_w8a8_half(interpreter, dtype):
     act = torch.float32 if dtype == torch.bfloat16 else None
     same_q, unquantized = _errors(out, args, kw, act_dtype=act)
     assert same_q < 1e-2, same_q
-    assert unquantized < 6e-2, unquantized
+    assert unquantized < TINY_W8A8_VS_UNQUANTIZED, unquantized
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -234,7 +242,7 @@ def test_fp8_variants(interpreter):
         out = dispatch_quantized(*args, **kw, **more, out=_poisoned(args[0]))
         same_q, unquantized = _errors(out, args, kw, **more)
         assert same_q < 1e-4, (more, same_q)
-        assert unquantized < 6e-2, (more, unquantized)
+        assert unquantized < TINY_W8A8_VS_UNQUANTIZED, (more, unquantized)
 
 
 def test_fp8_scale_edge_values(interpreter):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_ops.integrations.huggingface import UnsupportedModelError, _per_token
+from moe_ops.integrations.huggingface import UnsupportedModelError
 
 FP8_IMPLEMENTATION = "moe_ops"
 
@@ -67,6 +67,11 @@ def fp8_dispatch_kwargs(experts) -> dict:
     # moe_ops_quantize_activations (set on the module): False runs W8A16 (bf16 activations)
     return dict(kw, w13_scale=s13, w2_scale=s2, block_shape=[int(b) for b in bs],
                 quantize_activations=bool(getattr(experts, "moe_ops_quantize_activations", True)))
+
+
+def _per_token(t, T):
+    """[..., K] -> [T, K] (also for T = 0, where reshape(T, -1) raises)."""
+    return t.reshape(T, t.shape[-1]) if t.dim() >= 2 else t.reshape(T, -1)
 
 
 def _dispatch(self, w13, w2, hidden_states, top_k_index, top_k_weights, kw):

@@ -371,8 +371,7 @@ def combine_kernel(
     """out[t] = sum over k = 0..TOP_K-1, in that order, of y[t*TOP_K + k] for valid ids. Up to
     K = 32 the k loop is unrolled (TOP_K is a compile-time constant) so that the K independent
     id and row loads are in flight together: a runtime loop issued them one dependent pair at a
-    time, 2*K memory latencies per program (14 us at T=8 with K=8; benchmarks/NOTES.md, entry
-    12). Larger K keeps a runtime loop (an unrolled body per k would make a slow compile)."""
+    time, 2*K memory latencies per program (14 us at T=8 with K=8). Larger K keeps a runtime loop (an unrolled body per k would make a slow compile)."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     toks = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -448,59 +447,3 @@ def down_combine_one_token_kernel(
     tw = tl.load(weights_ptr + slot * stride_tw_k, mask=rows < n_valid, other=0.0)
     y = tl.sum(acc * tw.to(tl.float32)[:, None], axis=0)
     tl.store(out_ptr + offs_n * stride_oh, y.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def rows_gemm_ws_kernel(
-    a_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
-    n_slots, N, K_red, top_k, max_rows, n_experts,
-    stride_am, stride_tw_t, stride_tw_k, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, W_LAYOUT: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = True,
-):
-    """down_kernel's y[slot] = (weight[slot] *) a[row] @ W_e^T in a persistent, warp-specialised
-    kernel (Hopper: one producer warp group issuing the tensor-memory copies of A and W tiles,
-    two consumer warp groups with half of the tile's rows each running the products and the
-    epilogue, so the next tile's copies proceed during a tile's epilogue). Programs walk the
-    (row block, N tile) pairs below the device-side row count in down_kernel's grouped order.
-    `a` ([max_rows, K_red], aligned-row order) and W come through descriptors made here (Triton's
-    Hopper warp specialisation fails with host descriptors); W_LAYOUT 1: w is [E, N, K_red]
-    storage viewed as [E*N, K_red]; 2: [E, K_red, N] viewed as [E*K_red, N]. A tile's columns past
-    K_red are zero-filled and the caller guarantees K_red % BLOCK_K == 0 for layout 2 (a W tile
-    never reaches into the next expert's rows); layout 1's W rows past N feed output columns that
-    are never stored. WARP_SPECIALIZE=False compiles the same loop
-    without the warp-specialisation pass (a diagnostic: benchmarks/ws_stress.py, NOTES.md 28)."""
-    pid = tl.program_id(0)
-    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[max_rows, K_red], strides=[stride_am, 1],
-                                       block_shape=[BLOCK_M, BLOCK_K])
-    if W_LAYOUT == 1:
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[n_experts * N, K_red],
-                                           strides=[K_red, 1], block_shape=[BLOCK_N, BLOCK_K])
-    else:
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[n_experts * K_red, N],
-                                           strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N])
-    n_blocks = tl.cdiv(tl.load(num_rows_ptr), BLOCK_M)
-    n_tiles = n_blocks * tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(pid, n_tiles, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = grouped_tile(tile, n_blocks, N, BLOCK_N, GROUP_M)
-        e = tl.load(block_expert_ptr + pid_m)
-        n0 = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, K_red, BLOCK_K):
-            a = a_desc.load([pid_m * BLOCK_M, k0])
-            if W_LAYOUT == 1:
-                b = tl.trans(w_desc.load([e * N + n0, k0]))
-            else:
-                b = w_desc.load([e * K_red + k0, n0])
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        slots = tl.load(sorted_ptr + rows).to(tl.int64)
-        row_valid = slots < n_slots
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        if HAS_WEIGHTS:
-            tw = tl.load(weights_ptr + (slots // top_k) * stride_tw_t + (slots % top_k) * stride_tw_k,
-                         mask=row_valid, other=0.0).to(tl.float32)
-            acc = acc * tw[:, None]
-        tl.store(y_ptr + slots[:, None] * stride_ym + offs_n[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=row_valid[:, None] & (offs_n < N)[None, :])

@@ -14,7 +14,7 @@ dA: the forward's row GEMM (down_kernel) on the gathered dO and W2_e, float32 pe
 swiglu_grad_kernel: from dA and z (saved by the forward, or recomputed by the forward's gate+up
   kernel) writes dz (gate and up halves) and s*a per row and ds per slot. (A fused version, the
   dA tile and the elementwise part in one kernel, reached 37% of its floor on Mixtral and was
-  2.1 ms slower per layer there: benchmarks/NOTES.md, entry 10.)
+  2.1 ms slower per layer there: docs/design.md.)
 Weight gradients: weight_grad_kernel, one program per (expert, output tile), walking that
   expert's padded rows in order: float32 accumulation, no atomics, bitwise reproducible;
   weight_grad_persistent_kernel (the 16-bit default on the GPU) makes the same sums with one
@@ -221,8 +221,8 @@ def weight_grad_persistent_kernel(
     chunk into [CHUNK] int32 vectors (the divisions and expert-end loads there), and each step
     reads its tile's fields with one in-warp reduction apiece: every warp holds the whole vector,
     so there is no shared-memory round trip or barrier per step (a lookup over one lane per
-    expert, [E] wide, took four barriers and two integer divisions per step: benchmarks/NOTES.md
-    entry 32). A global load inside the loop would stop Triton from pipelining it. The pipeline
+    expert, [E] wide, took four barriers and two integer divisions per step: docs/design.md
+    ). A global load inside the loop would stop Triton from pipelining it. The pipeline
     refills once per chunk. An expert without rows takes its one step at row n_rows, past the end
     of L and R, where the copies read zeros, and stores a zero tile. SPLIT (1, 2 or 4): the tile
     is stored in SPLIT column slices through one staging buffer of 1/SPLIT of its size (room for
@@ -237,7 +237,7 @@ def weight_grad_persistent_kernel(
     ([NUM_PROGRAMS, BLOCK_E] int32 scratch). The ranking and the snake apply only when the
     routing is skewed (the largest expert has more than LPT_MIN_SKEW times the mean rows, a
     runtime test in every program): on near-uniform routing the snaking deal cost 3-9% on the
-    H200 for no balance to gain (benchmarks/NOTES.md, entry 53), so there the order is the
+    H200 for no balance to gain (docs/design.md), so there the order is the
     experts' own and the deal the fixed one, and the ranking and the per-chunk order load are
     skipped by runtime branches (with both, the path cost ~1.5% of the backward there).
     Each tile is still summed whole by one program in row order: the gradients are bitwise the
@@ -304,48 +304,3 @@ def weight_grad_persistent_kernel(
                 acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             j = tl.where(last, j + 1, j)
             step = tl.where(last, 0, step + 1)
-
-
-@triton.jit
-def weight_grad_ws_kernel(
-    l_ptr, r_ptr, o_ptr, expert_ends_ptr, M, N, E, n_rows, stride_lr, stride_rr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = True,
-):
-    """weight_grad_kernel's sums (the same rows in the same order, the same tile shape, so the
-    same float32 sums) in a persistent, warp-specialised kernel: on Hopper Triton splits the tile
-    loop (warp_specialize=True with num_warps=4) into a producer warp group that issues the
-    tensor-memory copies and two consumer warp groups (half of the tile's rows each) that run the
-    products and the epilogue, so the next tile's copies proceed during a tile's epilogue.
-    Triton's Hopper warp specialisation needs descriptors made in the kernel (host descriptors
-    fail its data partitioning), a nested loop (flattening drops the attribute), no `else`
-    branch, and a 2-D output descriptor (a 3-D one fails): out is viewed as [E*M, N], so M %
-    BLOCK_M == 0. (Storing the tile as two column halves, tl.split in the epilogue, fails
-    Triton 3.6's warp-specialisation pass.) An expert without rows takes one step at row n_rows, past the end of L and R,
-    where the copies read zeros. WARP_SPECIALIZE=False compiles the same loop
-    without the warp-specialisation pass (a diagnostic: benchmarks/ws_stress.py, NOTES.md 28)."""
-    pid = tl.program_id(0)
-    l_desc = tl.make_tensor_descriptor(l_ptr, shape=[n_rows, M], strides=[stride_lr, 1],
-                                       block_shape=[BLOCK_K, BLOCK_M])
-    r_desc = tl.make_tensor_descriptor(r_ptr, shape=[n_rows, N], strides=[stride_rr, 1],
-                                       block_shape=[BLOCK_K, BLOCK_N])
-    o_desc = tl.make_tensor_descriptor(o_ptr, shape=[E * M, N], strides=[N, 1],
-                                       block_shape=[BLOCK_M, BLOCK_N])
-    n_n = tl.cdiv(N, BLOCK_N)
-    per_e = (M // BLOCK_M) * n_n
-    for tile in tl.range(pid, E * per_e, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE):
-        e = tile // per_e
-        rem = tile - e * per_e
-        m0 = (rem // n_n) * BLOCK_M
-        n0 = (rem % n_n) * BLOCK_N
-        start = tl.load(expert_ends_ptr + e - 1, mask=e > 0, other=0)
-        valid_end = tl.load(expert_ends_ptr + E + e)
-        steps = tl.maximum(tl.cdiv(valid_end - start, BLOCK_K), 1)
-        first_row = tl.where(valid_end > start, start, n_rows)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for s in range(steps):
-            row = first_row + s * BLOCK_K
-            lt = l_desc.load([row, m0])          # [BLOCK_K, BLOCK_M]
-            r = r_desc.load([row, n0])           # [BLOCK_K, BLOCK_N]
-            acc = tl.dot(tl.trans(lt), r, acc, input_precision=DOT_PRECISION)
-        o_desc.store([e * M + m0, n0], acc.to(o_desc.dtype))

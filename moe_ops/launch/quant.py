@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from moe_ops._runtime import cdiv, kernel_for
+from moe_ops._runtime import cdiv
+from moe_ops.launch._common import kernel_for
 from moe_ops.kernels.quant_gemm import quant_down_kernel, quant_gate_up_kernel
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import combine_triton

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from moe_ops._compat import after_autograd, any_requires_grad, below_autograd
 from moe_ops._runtime import on_device, recompute_enabled, use_triton
-from moe_ops.ops._registry import _lib, define, reject_forward_ad, reject_functorch
+from moe_ops.ops._registry import LIB, define, reject_forward_ad, reject_functorch
 from moe_ops.ops.checks import (check_dispatch, check_dispatch_backward, check_ids_in_range,
                                 check_tensor_args, check_variant_types)
 from moe_ops.ops.quant_checks import is_quantized, reject_quantized_grad, reject_scale_grad
@@ -248,7 +249,7 @@ class _DispatchFunction(torch.autograd.Function):
     def forward(ctx, hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, keyset, v):
         v = dict(v, w13_bias=w13_bias, w2_bias=w2_bias)
         args = tuple(v[k] for k in VARIANT_NAMES)
-        with torch._C._AutoDispatchBelowAutograd():
+        with below_autograd():
             if recompute_enabled():
                 out = _DISPATCH_OP.redispatch(keyset, hidden, w13, w2, topk_weights, topk_ids,
                                               *args)
@@ -300,29 +301,29 @@ _DISPATCH_OP = torch.ops.moe.dispatch.default
 
 
 def _dispatch_autograd(keyset, hidden, w13, w2, topk_weights, topk_ids, *args, **kwargs):
-    below = keyset & torch._C._after_autograd_keyset
+    below = after_autograd(keyset)
     v = variant_args(*args, **kwargs)
     b13, b2 = v["w13_bias"], v["w2_bias"]
     grad_inputs = [t for t in (hidden, w13, w2, topk_weights, b13, b2) if t is not None]
     reject_forward_ad("moe.dispatch", *grad_inputs)
     if torch.is_grad_enabled() and is_quantized(w13, w2):
         reject_scale_grad(v["w13_scale"], v["w2_scale"])
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*grad_inputs):
+    if torch.is_grad_enabled() and any_requires_grad(*grad_inputs):
         reject_functorch("moe.dispatch")
         rest = {k: x for k, x in v.items() if k not in ("w13_bias", "w2_bias")}
         if is_quantized(w13, w2):   # frozen experts: gradients for the other inputs only
             from moe_ops.ops.quant_autograd import QuantizedDispatchFunction
 
             return QuantizedDispatchFunction.apply(hidden, w13, w2, topk_weights, topk_ids,
-                                                   b13, b2, below, rest)
+                                                   b13, b2, below, rest, VARIANT_NAMES)
         return _DispatchFunction.apply(hidden, w13, w2, topk_weights, topk_ids, b13, b2, below,
                                        rest)
-    with torch._C._AutoDispatchBelowAutograd():
+    with below_autograd():
         return _DISPATCH_OP.redispatch(below, hidden, w13, w2, topk_weights, topk_ids,
                                        *(v[k] for k in VARIANT_NAMES))
 
 
-_lib.impl("dispatch", _dispatch_autograd, "Autograd", with_keyset=True)
+LIB.impl("dispatch", _dispatch_autograd, "Autograd", with_keyset=True)
 
 
 def _not_differentiable(op):
@@ -332,13 +333,13 @@ def _not_differentiable(op):
     fails with "does not require grad" instead of going through PyTorch's autograd fallback,
     which only warns)."""
     def kernel(keyset, *args, **kwargs):
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+        with below_autograd():
+            return op.redispatch(after_autograd(keyset), *args, **kwargs)
     return kernel
 
 
 for _name in ("dispatch_train", "dispatch_backward", "dispatch_backward_saved"):
-    _lib.impl(_name, _not_differentiable(getattr(torch.ops.moe, _name).default), "Autograd",
+    LIB.impl(_name, _not_differentiable(getattr(torch.ops.moe, _name).default), "Autograd",
               with_keyset=True)
 
 

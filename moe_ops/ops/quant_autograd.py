@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import torch
 
+from moe_ops._compat import below_autograd
+
 
 class QuantizedDispatchFunction(torch.autograd.Function):
-    """apply(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, keyset, v): the op's
-    output below Autograd; `v` holds the variant arguments other than the biases."""
+    """apply(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, keyset, v, names): the
+    op's output below Autograd; `v` holds the variant arguments other than the biases, `names`
+    the op's variant argument names in schema order."""
 
     @staticmethod
-    def forward(ctx, hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, keyset, v):
-        from moe_ops.ops.dispatch import _DISPATCH_OP, VARIANT_NAMES
-
+    def forward(ctx, hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, keyset, v,
+                names):
         full = dict(v, w13_bias=w13_bias, w2_bias=w2_bias)
-        with torch._C._AutoDispatchBelowAutograd():
-            out = _DISPATCH_OP.redispatch(keyset, hidden, w13, w2, topk_weights, topk_ids,
-                                          *(full[k] for k in VARIANT_NAMES))
+        with below_autograd():
+            out = torch.ops.moe.dispatch.default.redispatch(keyset, hidden, w13, w2, topk_weights, topk_ids,
+                                          *(full[k] for k in names))
         ctx.save_for_backward(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias)
         ctx.variant = v
         return out
@@ -36,4 +38,4 @@ class QuantizedDispatchFunction(torch.autograd.Function):
             **ctx.variant)
         need = ctx.needs_input_grad
         return (dx if need[0] else None, None, None, dw if need[3] else None, None,
-                db13 if need[5] else None, db2 if need[6] else None, None, None)
+                db13 if need[5] else None, db2 if need[6] else None, None, None, None)

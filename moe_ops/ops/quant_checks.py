@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from moe_ops.ops.checks import check_same_device
 from moe_ops.reference.quant import DEFAULT_BLOCK_SHAPE, weight_format
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_oai")
 QUANT_HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MXFP4_GROUP = 32   # e2m1 values per e8m0 scale
+
+
+def _same_device(**tensors):
+    first = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if first is None:
+            first = (name, t.device)
+        elif t.device != first[1]:
+            raise ValueError(f"all tensors must be on one device: {first[0]} is on {first[1]}, "
+                             f"{name} is on {t.device}")
 
 
 def is_quantized(w13, w2=None) -> bool:
@@ -136,7 +147,7 @@ def check_quantized_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation
         _shape(name, b, shape, what)
         if b.dtype not in (torch.float32, hidden.dtype):
             raise TypeError(f"{name} must be float32 or hidden's dtype {hidden.dtype}, got {b.dtype}")
-    check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights,
+    _same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights,
                       topk_ids=topk_ids, w13_scale=w13_scale, w2_scale=w2_scale,
                       w13_bias=w13_bias, w2_bias=w2_bias)
     if hidden.device.type == "cuda" and torch.cuda.get_device_capability(hidden.device) < (8, 9) \

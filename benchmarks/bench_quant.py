@@ -18,13 +18,8 @@ import argparse
 import torch
 
 import moe_ops
-from moe_ops.bench import (
-    Timer,
-    capture_graph,
-    environment,
-    measure_ceilings,
-    text_table,
-)
+from moe_ops.tools._timing import capture_graph
+from moe_ops.tools.bench import Timer, environment, measure_ceilings, text_table
 from moe_ops.reference.quant import dequantize_weights, quantized_dispatch_reference
 
 SHAPES = {  # E, K, H, I, format

@@ -19,6 +19,7 @@ PTR = {"bf16": "*bf16", "fp8": "*fp8e4nv", "u8": "*u8", "f32": "*fp32", "i32": "
 # unit strides become constants, pointers and these ints carry divisibility 16 (without the
 # hints the compiler cannot vectorise the loads nor pipeline them with cp.async).
 UNIT = ("stride_xh", "stride_wk", "stride_sk", "stride_bn")
+# (stride_as = I / bk is not a multiple of 16 in general: no hint)
 DIV16 = ("H", "I", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_am", "stride_ym",
          "stride_be")
 
@@ -67,20 +68,24 @@ def main():
                 variants.append(dict(ACTIVATION=4, INTERLEAVED=True, HAS_BIAS=True,
                                      WEIGHTS_ON_INPUT=False))
             for var in variants:
+                # W8A8: act is e4m3 with float32 scales per bk group, the gate+up tile bk wide
+                act = PTR["fp8"] if quant_a else PTR[act_dtype]
                 types = dict(x_ptr=PTR[act_dtype], w_ptr=PTR[w], s_ptr=PTR[s], bias_ptr=PTR["f32"],
-                             tw_ptr=PTR["f32"], act_ptr=PTR[act_dtype], sorted_ptr=PTR["i32"],
+                             tw_ptr=PTR["f32"], act_ptr=act, sorted_ptr=PTR["i32"],
                              block_expert_ptr=PTR["i32"], num_rows_ptr=PTR["i32"],
-                             alpha="fp32", limit="fp32")
+                             alpha="fp32", limit="fp32", act_scale_ptr=PTR["f32"])
                 what = f"gate_up {fmt} {'W8A8' if quant_a else 'A16'} {act_dtype} BM={block_m} {var}"
                 nw = 4 if block_m < 64 else 8
                 try:
-                    print(f"  {what}: {compile_one(quant_gate_up_kernel, types, {**common, **var, 'BLOCK_N': 64}, nw, 3)}")
+                    print(f"  {what}: {compile_one(quant_gate_up_kernel, types, {**common, **var, 'BLOCK_N': 128 if quant_a else 64}, nw, 3)}")
                 except Exception as exc:  # noqa: BLE001 - the answer is the failure
                     failures += 1
                     print(f"  {what}: FAILS {type(exc).__name__}: {str(exc)[:2000]}")
-            types = dict(act_ptr=PTR[act_dtype], w_ptr=PTR[w], s_ptr=PTR[s], bias_ptr=PTR["f32"],
-                         tw_ptr=PTR["f32"], y_ptr=PTR[act_dtype], sorted_ptr=PTR["i32"],
-                         block_expert_ptr=PTR["i32"], num_rows_ptr=PTR["i32"])
+            types = dict(act_ptr=PTR["fp8"] if quant_a else PTR[act_dtype], w_ptr=PTR[w],
+                         s_ptr=PTR[s], bias_ptr=PTR["f32"], tw_ptr=PTR["f32"],
+                         y_ptr=PTR[act_dtype], sorted_ptr=PTR["i32"],
+                         block_expert_ptr=PTR["i32"], num_rows_ptr=PTR["i32"],
+                         act_scale_ptr=PTR["f32"])
             what = f"down {fmt} {'W8A8' if quant_a else 'A16'} {act_dtype} BM={block_m}"
             try:
                 print(f"  {what}: {compile_one(quant_down_kernel, types, {**common, 'HAS_BIAS': fmt == 'mxfp4', 'HAS_WEIGHTS': True, 'BLOCK_N': 128}, 4 if block_m < 64 else 8, 3)}")

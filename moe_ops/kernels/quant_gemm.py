@@ -5,7 +5,9 @@ WFMT 1, FP8 block-scaled: w [E, N, K] float8_e4m3fn with a float32 scale per [bn
   QUANT_A (W8A8): the A tile is quantized in registers per row over its bk columns
   (q = e4m3(a * 448 / amax), scale amax / 448), the product is an fp8 tl.dot in float32 and
   each K step's partial product is scaled and added in float32 (promotion per K block, as
-  DeepGEMM does: Hopper's FP8 MMA accumulates with fewer bits than float32).
+  DeepGEMM does: Hopper's FP8 MMA accumulates with fewer bits than float32). The down GEMM's
+  A (the activation) is quantized the same way in the gate+up kernel's epilogue, from float32,
+  once (its tile width is bk): the down kernel reads e4m3 act and its scales [rows, I/bk].
   Without QUANT_A (W8A16): the fp8 tile is converted exactly to A's dtype, the product is a
   16-bit dot, scaled by the weight scale per K step.
 WFMT 2, MXFP4: w [E, N, K//2] uint8, two e2m1 values per byte (low nibble first), uint8 e8m0
@@ -210,7 +212,7 @@ def quant_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, tw_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     n_slots, H, I, top_k, n_row_blocks, scale_bn, alpha, limit,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-    stride_be, stride_bn, stride_tw_t, stride_tw_k, stride_am,
+    stride_be, stride_bn, stride_tw_t, stride_tw_k, stride_am, act_scale_ptr, stride_as,
     WFMT: tl.constexpr, QUANT_A: tl.constexpr, ACTIVATION: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTS_ON_INPUT: tl.constexpr,
     EMULATE: tl.constexpr, OP_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -261,6 +263,12 @@ def quant_gate_up_kernel(
         acc_g += tl.load(b_base + g_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_base + u_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     act = activate(acc_g, acc_u, alpha, limit, ACTIVATION)
+    if QUANT_A:
+        # the down GEMM's A, quantized here once (BLOCK_N == bk: this tile is one bk group of
+        # each row), from the float32 values: e4m3 act (its float32 value under EMULATE) and
+        # one scale per row and group
+        act, act_scale = quantize_rows(tl.where(n_mask[None, :], act, 0.0), EMULATE)
+        tl.store(act_scale_ptr + rows * stride_as + pid_n, act_scale, mask=row_valid)
     tl.store(act_ptr + rows[:, None] * stride_am + offs_n[None, :],
              act.to(act_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
 
@@ -270,7 +278,7 @@ def quant_down_kernel(
     act_ptr, w_ptr, s_ptr, bias_ptr, tw_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     n_slots, H, I, top_k, n_row_blocks, scale_bn,
     stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-    stride_be, stride_bn, stride_tw_t, stride_tw_k, stride_ym,
+    stride_be, stride_bn, stride_tw_t, stride_tw_k, stride_ym, act_scale_ptr, stride_as,
     WFMT: tl.constexpr, QUANT_A: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr, EMULATE: tl.constexpr, OP_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -294,7 +302,12 @@ def quant_down_kernel(
         s_n = s_ptr + e * stride_se + offs_n64 * stride_sn
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
-        a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A, False, OP_DTYPE, EMULATE)
+        if QUANT_A:   # act was quantized by the gate+up kernel: e4m3 tile and row scales
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+            a_scale = tl.load(act_scale_ptr + rows * stride_as + k0 // BLOCK_K, mask=row_valid,
+                              other=0.0)
+        else:
+            a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, False, False, OP_DTYPE, EMULATE)
         b, sb = weight_tile(w_n, s_n, n_mask, k0, I, stride_wk, stride_sk, OP_DTYPE, WFMT,
                             QUANT_A, EMULATE, BLOCK_K)
         acc = mma_step(acc, a, a_scale, b, sb, WFMT, QUANT_A, DOT_PRECISION)

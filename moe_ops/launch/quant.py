@@ -1,7 +1,7 @@
 """Host side of moe.dispatch with quantized expert weights (FP8 block-scaled, MXFP4; issue 42):
 checks, config, buffers sized from shapes, launches. The flow is the bf16 op's: align the slots
 by expert (align_triton), gate+up GEMM with the activation fused (act [max_rows, I] in hidden's
-dtype), down GEMM with bias and routing weight fused (y per slot), deterministic combine. No
+dtype; W8A8: e4m3 and its scales), down GEMM with bias and routing weight fused (y per slot), deterministic combine. No
 dequantized weight is ever materialised: tiles are decoded in registers. Nothing syncs with the
 host."""
 from __future__ import annotations
@@ -36,18 +36,21 @@ class QuantDispatchConfig:
 
 
 def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: int,
-                          device_type: str) -> QuantDispatchConfig:
+                          device_type: str, quant_a: bool = False) -> QuantDispatchConfig:
     """Heuristic tiles (not tuned yet). Row blocks from the mean rows per expert (decode: 16,
     so few padding rows are multiplied); K step bk for FP8, 128 values (64 packed bytes) for
     MXFP4. The interpreter gets the smallest tiles tl.dot takes (runtime grows with tile area)."""
     if device_type != "cuda":
-        return QuantDispatchConfig(block_m=16, block_n1=16, block_n2=32,
+        return QuantDispatchConfig(block_m=16, block_n1=bk if quant_a else 16, block_n2=32,
                                    block_k=bk if fmt == "fp8" else 32 if H <= 32 or I <= 32 else 64,
                                    group_m=4, num_warps=1, num_stages=1)
     rows = T * K / max(E, 1)
     block_m = 16 if rows <= 16 else 32 if rows <= 48 else 64
     block_k = bk if fmt == "fp8" else 128
-    return QuantDispatchConfig(block_m=block_m, block_n1=64, block_n2=128, block_k=block_k,
+    # W8A8: the gate+up tile is one bk group of the activation it quantizes (128 columns:
+    # two [block_m, 128] float32 accumulators)
+    return QuantDispatchConfig(block_m=block_m, block_n1=bk if quant_a else 64, block_n2=128,
+                               block_k=block_k,
                                group_m=8, num_warps=4 if block_m < 64 else 8,
                                num_stages=3 if fmt == "fp8" else 2)
 
@@ -84,10 +87,13 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         return out
     emulate = dev.type != "cuda"
     quant_a = fmt == "fp8" and bool(quantize_activations)
-    cfg = config or quant_dispatch_config(T, E, K, H, I, fmt, bk, dev.type)
+    cfg = config or quant_dispatch_config(T, E, K, H, I, fmt, bk, dev.type, quant_a)
     if fmt == "fp8" and cfg.block_k != bk:
         raise ValueError(f"config.block_k must equal the FP8 block_shape's bk = {bk}, got "
                          f"{cfg.block_k}")
+    if quant_a and cfg.block_n1 != bk:
+        raise ValueError(f"config.block_n1 must equal bk = {bk} for W8A8 (the gate+up tile is "
+                         f"one activation group of the down GEMM), got {cfg.block_n1}")
     if fmt == "mxfp4" and cfg.block_k % 32:
         raise ValueError(f"config.block_k must be a multiple of 32 for MXFP4, got {cfg.block_k}")
     wfmt = 1 if fmt == "fp8" else 2
@@ -102,7 +108,13 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     # The interpreter rounds float32 -> bfloat16 stores by truncation (about half of random
     # values differ from torch's rounding): bf16 intermediates stay float32 there.
     inter = torch.float32 if emulate and hidden.dtype == torch.bfloat16 else hidden.dtype
-    act = torch.empty(al.max_rows, I, dtype=inter, device=dev)
+    if quant_a:   # e4m3 act (its float32 values in the interpreter) and a scale per bk group
+        act = torch.empty(al.max_rows, I, device=dev,
+                          dtype=torch.float32 if emulate else torch.float8_e4m3fn)
+        act_scale = torch.empty(al.max_rows, cdiv(I, bk), dtype=torch.float32, device=dev)
+    else:
+        act = torch.empty(al.max_rows, I, dtype=inter, device=dev)
+        act_scale = act
     y = torch.empty(n_slots, H, dtype=inter, device=dev)
     b13 = w13_bias if w13_bias is not None else act
     b2 = w2_bias if w2_bias is not None else act
@@ -115,7 +127,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
         b13.stride(0), b13.stride(1), topk_weights.stride(0), topk_weights.stride(1),
-        act.stride(0),
+        act.stride(0), act_scale, act_scale.stride(0),
         ACTIVATION=ACTIVATIONS.index(activation), INTERLEAVED=bool(gate_up_interleaved),
         HAS_BIAS=w13_bias is not None, WEIGHTS_ON_INPUT=bool(weights_on_input),
         BLOCK_N=cfg.block_n1, **common,
@@ -126,6 +138,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
         w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
         b2.stride(0), b2.stride(1), topk_weights.stride(0), topk_weights.stride(1), y.stride(0),
+        act_scale, act_scale.stride(0),
         HAS_BIAS=w2_bias is not None, HAS_WEIGHTS=not weights_on_input,
         BLOCK_N=cfg.block_n2, **common,
     )

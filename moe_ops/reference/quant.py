@@ -194,10 +194,11 @@ def quantized_dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activa
                                  compute_dtype=torch.float64, act_dtype=None):
     """moe.dispatch with quantized weights, dequantized in `compute_dtype` ([T, H], that dtype).
     emulate_kernel (FP8 with quantize_activations): the W8A8 reference, activations quantized
-    as the kernels do (a rounded to hidden's dtype first, as the kernels store it); else
+    as the kernels do (a from its float32 value: the kernels quantize it in the gate+up
+    epilogue); else
     unquantized activations (the float64 computation on the dequantized weights, the issue's
-    accuracy anchor). act_dtype: the dtype a is stored in between the GEMMs (default hidden's;
-    the interpreter keeps bfloat16 intermediates in float32). This is also moe.dispatch's CPU
+    accuracy anchor). act_dtype: a dtype a is rounded to before its quantization (None: none,
+    as the kernels). This is also moe.dispatch's CPU
     kernel (emulate_kernel=True, compute_dtype float32, the result cast to hidden's dtype)."""
     fmt = weight_format(w13)
     bs = tuple(block_shape) if block_shape is not None else DEFAULT_BLOCK_SHAPE
@@ -207,7 +208,7 @@ def quantized_dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activa
     return dense_dispatch_reference(
         hidden, w13f, w2f, topk_weights, topk_ids, activation, w13_bias, w2_bias, alpha, limit,
         gate_up_interleaved, weights_on_input, quantize_act_bk=bs[1] if qa else None,
-        act_dtype=(act_dtype or hidden.dtype) if qa else None, compute_dtype=compute_dtype)
+        act_dtype=act_dtype if qa else None, compute_dtype=compute_dtype)
 
 
 def quantized_dispatch_backward_reference(grad_out, hidden, w13, w2, topk_weights, topk_ids,

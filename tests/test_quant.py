@@ -540,3 +540,28 @@ def test_hf_mxfp4_attach(interpreter):
             a = (up + 1) * gate * torch.sigmoid(gate * 1.702)
             ref[t] += w[t, k].double() * (a @ dn[e] + experts.down_proj_bias[e].double())
     assert rel_err(out, ref) < 1e-5
+
+
+def test_compile_fullgraph_one_frame(reference_path):
+    """torch.compile(fullgraph=True) traces a router + moe.dispatch with quantized weights
+    through the op's fake (aot_eager: the graph, not Inductor's code), T unbacked: one frame
+    for every T, results equal to eager."""
+    from torch._dynamo.decorators import mark_unbacked
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    args, kw = quant_dispatch_samples()[2]
+    h, q13, q2, tw, ids = args
+    router = torch.randn(h.shape[1], q13.shape[0])
+
+    def f(h):
+        w, i = (h @ router).softmax(-1).topk(tw.shape[1], dim=-1)
+        return moe_ops.dispatch(h, q13, q2, w, i, **kw)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(f, fullgraph=True, backend=counter)
+    for T in (9, 5, 1):
+        hT = h[:T].clone()
+        mark_unbacked(hT, 0)
+        assert torch.equal(fn(hT), f(hT))
+    assert counter.frame_count == 1

@@ -61,7 +61,7 @@ def main():
         for block_m in (16, 64):
             common = dict(WFMT=1 if fmt == "fp8" else 2, QUANT_A=quant_a, EMULATE=False,
                           OP_DTYPE=op, DOT_PRECISION="ieee" if act_dtype == "f32" else "tf32",
-                          BLOCK_M=block_m, BLOCK_K=block_k, GROUP_M=8)
+                          BLOCK_M=block_m, BLOCK_K=block_k, GROUP_M=8, DIRECT=block_m == 16)
             variants = [dict(ACTIVATION=0, INTERLEAVED=False, HAS_BIAS=False,
                              WEIGHTS_ON_INPUT=False)]
             if fmt == "mxfp4":
@@ -73,7 +73,8 @@ def main():
                 types = dict(x_ptr=PTR[act_dtype], w_ptr=PTR[w], s_ptr=PTR[s], bias_ptr=PTR["f32"],
                              tw_ptr=PTR["f32"], act_ptr=act, sorted_ptr=PTR["i32"],
                              block_expert_ptr=PTR["i32"], num_rows_ptr=PTR["i32"],
-                             alpha="fp32", limit="fp32", act_scale_ptr=PTR["f32"])
+                             alpha="fp32", limit="fp32", act_scale_ptr=PTR["f32"],
+                             ids_ptr=PTR["i32"])
                 what = f"gate_up {fmt} {'W8A8' if quant_a else 'A16'} {act_dtype} BM={block_m} {var}"
                 nw = 4 if block_m < 64 else 8
                 try:
@@ -85,7 +86,7 @@ def main():
                          s_ptr=PTR[s], bias_ptr=PTR["f32"], tw_ptr=PTR["f32"],
                          y_ptr=PTR[act_dtype], sorted_ptr=PTR["i32"],
                          block_expert_ptr=PTR["i32"], num_rows_ptr=PTR["i32"],
-                         act_scale_ptr=PTR["f32"])
+                         act_scale_ptr=PTR["f32"], ids_ptr=PTR["i32"])
             what = f"down {fmt} {'W8A8' if quant_a else 'A16'} {act_dtype} BM={block_m}"
             try:
                 print(f"  {what}: {compile_one(quant_down_kernel, types, {**common, 'HAS_BIAS': fmt == 'mxfp4', 'HAS_WEIGHTS': True, 'BLOCK_N': 128}, 4 if block_m < 64 else 8, 3)}")

@@ -565,3 +565,21 @@ def test_compile_fullgraph_one_frame(reference_path):
         mark_unbacked(hT, 0)
         assert torch.equal(fn(hT), f(hT))
     assert counter.frame_count == 1
+
+
+def test_one_token_direct_rows(interpreter):
+    """T = 1 runs without an alignment (row block k = slot k): a dropped id (-1) contributes
+    nothing, NaN weights in an expert no slot uses are never read; FP8 W8A8 and MXFP4."""
+    args, kw = fp8_inputs(1, 32, 16, 6, 3, (16, 16))
+    h, q13, q2, tw, _ = args
+    ids = torch.tensor([[4, -1, 1]], dtype=torch.int32)
+    q13 = q13.clone()
+    q13[0] = float("nan")            # expert 0: unused (a dropped id must not read it)
+    out = dispatch_quantized(h, q13, q2, tw, ids, **kw, out=_poisoned(h))
+    assert rel_err(out, quantized_dispatch_reference(h, q13, q2, tw, ids, **kw)) < 1e-4
+    margs, mkw, biases = mxfp4_inputs(1, 64, 32, 4, 2)
+    mh, b13, b2, mtw, _ = margs
+    mids = torch.tensor([[-1, 2]], dtype=torch.int32)
+    more = dict(activation="swiglu_oai", gate_up_interleaved=True, **biases)
+    out = dispatch_quantized(mh, b13, b2, mtw, mids, **mkw, **more, out=_poisoned(mh))
+    assert rel_err(out, quantized_dispatch_reference(mh, b13, b2, mtw, mids, **mkw, **more)) < 1e-5

@@ -27,7 +27,7 @@ dot runs in float32 on the same values."""
 import triton
 import triton.language as tl
 
-from moe_ops.kernels.expert_gemm import grouped_tile
+from moe_ops.kernels.expert_gemm import grouped_tile, row_block
 
 FP8_MAX = tl.constexpr(448.0)
 ACT_AMAX_FLOOR = tl.constexpr(1e-30)   # moe_ops.reference.quant.ACT_AMAX_FLOOR
@@ -200,11 +200,14 @@ def load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A: tl.constexpr, SCALE_ROWS: tl.
 
 
 @triton.jit
-def _rows(pid_m, sorted_ptr, block_expert_ptr, n_slots, BLOCK_M: tl.constexpr):
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_ptr + rows)
-    return e, rows.to(tl.int64), slots.to(tl.int64), slots < n_slots
+def _rows(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr, stride_ik, n_experts,
+          BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """(expert, rows, slots, row_valid) of row block pid_m (expert_gemm.row_block: the
+    alignment's tables, or DIRECT at T == 1: block k is slot k, no alignment launch), offsets
+    in int64."""
+    e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
+                                          stride_ik, n_experts, BLOCK_M, DIRECT, BLOCK_M)
+    return e, rows.to(tl.int64), slots.to(tl.int64), row_valid
 
 
 @triton.jit
@@ -213,15 +216,19 @@ def quant_gate_up_kernel(
     n_slots, H, I, top_k, n_row_blocks, scale_bn, alpha, limit,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_tw_t, stride_tw_k, stride_am, act_scale_ptr, stride_as,
+    ids_ptr, stride_ik, n_experts,
     WFMT: tl.constexpr, QUANT_A: tl.constexpr, ACTIVATION: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTS_ON_INPUT: tl.constexpr,
     EMULATE: tl.constexpr, OP_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-        return
-    e, rows, slots, row_valid = _rows(pid_m, sorted_ptr, block_expert_ptr, n_slots, BLOCK_M)
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+    e, rows, slots, row_valid = _rows(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
+                                      stride_ik, n_experts, BLOCK_M, DIRECT)
     tok = tl.where(row_valid, slots // top_k, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
@@ -279,15 +286,18 @@ def quant_down_kernel(
     n_slots, H, I, top_k, n_row_blocks, scale_bn,
     stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_tw_t, stride_tw_k, stride_ym, act_scale_ptr, stride_as,
+    ids_ptr, stride_ik, n_experts,
     WFMT: tl.constexpr, QUANT_A: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr, EMULATE: tl.constexpr, OP_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DIRECT: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, H, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-        return
-    e, rows, slots, row_valid = _rows(pid_m, sorted_ptr, block_expert_ptr, n_slots, BLOCK_M)
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+    e, rows, slots, row_valid = _rows(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
+                                      stride_ik, n_experts, BLOCK_M, DIRECT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     offs_n64 = offs_n.to(tl.int64)

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from moe_ops._runtime import cdiv
+from moe_ops._runtime import cdiv, next_pow2
 from moe_ops.launch._common import kernel_for
 from moe_ops.kernels.quant_gemm import quant_down_kernel, quant_gate_up_kernel
 from moe_ops.launch.alignment import align_triton
-from moe_ops.launch.dispatch import combine_triton
+from moe_ops.launch.dispatch import DirectRows, combine_triton
 from moe_ops.ops.quant_checks import ACTIVATIONS, check_quantized_dispatch
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -103,8 +103,11 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     op_dtype = tl.float32 if emulate else _TL_DTYPE[hidden.dtype]
     dot_precision = "ieee" if op_dtype == tl.float32 else "tf32"
     n_slots = T * K
-    al = align_triton(topk_ids, E, cfg.block_m)
+    # One token: row block k is slot k (its K experts are distinct), no alignment launch.
+    direct = T == 1
+    al = DirectRows(topk_ids, cfg.block_m) if direct else align_triton(topk_ids, E, cfg.block_m)
     n_blocks = al.max_rows // cfg.block_m
+    rows_args = dict(ids_ptr=topk_ids, stride_ik=topk_ids.stride(1), n_experts=E)
     # The interpreter rounds float32 -> bfloat16 stores by truncation (about half of random
     # values differ from torch's rounding): bf16 intermediates stay float32 there.
     inter = torch.float32 if emulate and hidden.dtype == torch.bfloat16 else hidden.dtype
@@ -118,16 +121,19 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     y = torch.empty(n_slots, H, dtype=inter, device=dev)
     b13 = w13_bias if w13_bias is not None else act
     b2 = w2_bias if w2_bias is not None else act
+    # direct rows: every slot walks the column tiles together (their weight tiles differ)
+    group_m = max(cfg.group_m, next_pow2(n_blocks)) if direct else cfg.group_m
     common = dict(WFMT=wfmt, QUANT_A=quant_a, EMULATE=emulate, OP_DTYPE=op_dtype,
                   DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
-                  GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  GROUP_M=group_m, DIRECT=direct, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
     kernel_for(quant_gate_up_kernel, dev)[(n_blocks * cdiv(I, cfg.block_n1),)](
         hidden, w13_k, w13_scale, b13, topk_weights, act, al.sorted_slots, al.block_expert,
         al.num_rows, n_slots, H, I, K, n_blocks, bn, float(alpha), float(limit),
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
         b13.stride(0), b13.stride(1), topk_weights.stride(0), topk_weights.stride(1),
-        act.stride(0), act_scale, act_scale.stride(0),
+        act.stride(0), act_scale, act_scale.stride(0), *rows_args.values(),
         ACTIVATION=ACTIVATIONS.index(activation), INTERLEAVED=bool(gate_up_interleaved),
         HAS_BIAS=w13_bias is not None, WEIGHTS_ON_INPUT=bool(weights_on_input),
         BLOCK_N=cfg.block_n1, **common,
@@ -138,7 +144,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
         w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
         b2.stride(0), b2.stride(1), topk_weights.stride(0), topk_weights.stride(1), y.stride(0),
-        act_scale, act_scale.stride(0),
+        act_scale, act_scale.stride(0), *rows_args.values(),
         HAS_BIAS=w2_bias is not None, HAS_WEIGHTS=not weights_on_input,
         BLOCK_N=cfg.block_n2, **common,
     )

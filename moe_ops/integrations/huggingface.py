@@ -252,6 +252,23 @@ def _unpatch_instance(module):
         return
 
 
+# MoE modules of transformers families outside the experts interface that moe.dispatch does not
+# compute, with the difference.
+_NOT_COVERED = {
+    "DogeCDMoE": "Doge's DogeCDMoE retrieves single-neuron experts by product keys; it is not a "
+                 "top-k over gated MLP experts",
+    "JetMoeMoE": "JetMoe's JetMoeParallelExperts hold ungated per-expert linear maps (also used by "
+                 "its mixture of attention heads), not [E, 2I, H] gated experts",
+    "NllbMoeSparseMLP": "NllbMoe's NllbMoeSparseMLP routes with an expert capacity (tokens past it "
+                        "are dropped) to ungated ReLU experts held as separate modules",
+    "SwitchTransformersSparseMLP": "SwitchTransformers' SwitchTransformersSparseMLP routes with an "
+                                   "expert capacity (tokens past it are dropped) to ungated "
+                                   "experts held as separate modules",
+    "VitPoseNaiveMoe": "VitPose's VitPoseNaiveMoe picks the expert by dataset index, not by "
+                       "routing tokens",
+}
+
+
 def _plan(model):
     """[(module, forward attribute, patch function)] for every module apply_moe_ops(model)
     replaces; validates everything before anything is patched."""
@@ -291,6 +308,11 @@ def _plan(model):
                 plan.append((router, _forward_attr(router, rwhere), router_forward_for(router)))
                 break
     if not plan:
+        for m in model.modules():
+            reason = _NOT_COVERED.get(type(m).__name__)
+            if reason is not None and type(m).__module__.startswith("transformers."):
+                raise UnsupportedModelError(
+                    f"apply_moe_ops: {type(model).__name__} is not covered: {reason}.")
         moe_like = sorted({type(m).__name__ for m in model.modules()
                            if any(s in type(m).__name__.lower() for s in ("moe", "expert", "router"))})
         found = f" It has MoE-like modules {moe_like}, which moe_ops does not know." if moe_like else ""

@@ -24,11 +24,15 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", config=None,
-                    out=None, save_z=False):
+                    out=None, save_z=False, *, w13_bias=None, w2_bias=None, alpha=1.702,
+                    limit=7.0, gate_up_interleaved=False, weights_on_input=False):
     """`out` (internal, for tests that poison outputs) must be a fresh [T, H] buffer.
     save_z (training): also return z = [g | u], the pre-activation per slot ([T*K, 2I], input
     dtype; zero rows for ids < 0 or >= E, as the reference) that dispatch_backward_triton(z=...)
     consumes."""
+    if (activation != "silu" or w13_bias is not None or w2_bias is not None
+            or gate_up_interleaved or weights_on_input):
+        raise NotImplementedError("moe.dispatch variants in the Triton kernels")
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]

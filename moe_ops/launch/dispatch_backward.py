@@ -25,8 +25,13 @@ from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
 
 def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation="silu",
-                             z=None, config=None, bwd_config=None):
+                             z=None, config=None, bwd_config=None, *, w13_bias=None, w2_bias=None,
+                             alpha=1.702, limit=7.0, gate_up_interleaved=False,
+                             weights_on_input=False):
     """`z`: the pre-activation [T*K, 2I] saved by the training forward (None: recompute it)."""
+    if (activation != "silu" or w13_bias is not None or w2_bias is not None
+            or gate_up_interleaved or weights_on_input):
+        raise NotImplementedError("moe.dispatch variants in the Triton kernels")
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]

@@ -66,23 +66,32 @@ PER_FAMILY = {
                  ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}),
     "deepseek_ocr2": dict(mlp_layer_types=["sparse", "sparse"]),
     "diffusion_gemma": dict(top_k_experts=2),
+    "doge": dict(is_moe=True, num_experts=16, num_experts_per_tok=2),
     "dots1": dict(n_shared_experts=1),
-    "ernie4_5_vl_moe": dict(moe_intermediate_size=[32, 32], moe_k=2, moe_num_shared_experts=1),
+    "ernie4_5_vl_moe": dict(moe_intermediate_size=[32, 32], moe_k=2, moe_num_shared_experts=1,
+                            rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
+                                             "mrope_section": [1, 1, 2]}),
+    "gemma4": dict(enable_moe_block=True, top_k_experts=2),
     "glm4v_moe": dict(rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                        "rope_type": "default", "mrope_section": [1, 1, 0]}),
     "glm5_next": dict(qk_rope_head_dim=0, head_dim=0, qk_nope_head_dim=8, v_head_dim=8,
                       index_head_dim=8, index_n_heads=2, linear_head_dim=8, linear_num_heads=4),
-    "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=8),
+    "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=8,
+                             layer_types=["linear_attention", "full_attention"]),
     "hy_v4_vl": dict(rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
                                       "mrope_section": [2, 1, 1]}),
-    "kolibri1_1": dict(head_dim=16),
+    "kolibri1_1": dict(head_dim=16, index_num_heads=1),
     "lfm2_moe": dict(num_dense_layers=0, layer_types=["conv", "full_attention"]),
-    "mimo_v2_flash": dict(v_head_dim=8),
+    "longcat_flash": dict(moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=32),
+    "mimo_v2_flash": dict(num_key_value_heads=2),  # sliding layers double the KV heads
     "mistral4": dict(head_dim=16),
     "qwen4_exp": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8,
                       indexer_compress_ratio=2, linear_key_head_dim=8, linear_value_head_dim=8,
                       linear_num_key_heads=2, linear_num_value_heads=4),
     "step3p7": dict(sliding_window=16),
+    "vitpose_backbone": dict(part_features=8, num_experts=2, hidden_size=32,
+                             num_attention_heads=4, num_hidden_layers=1, image_size=[32, 32],
+                             patch_size=[16, 16]),
     "zaya": dict(num_experts_per_tok=1),
 }
 
@@ -95,6 +104,7 @@ def model_class(fam: str):
              and c.__module__ == mod.__name__ and "PreTrained" not in c.__name__
              and not any(s in c.__name__ for s in ("Vision", "Audio", "Talker", "CodePredictor"))]
     for pred in (lambda n: n.endswith("ForCausalLM"), lambda n: n.endswith("TextModel"),
+                 lambda n: n.endswith("Backbone"),
                  lambda n: n.endswith("Model"), lambda n: True):
         for c in cands:
             if pred(c.__name__):

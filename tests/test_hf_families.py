@@ -82,10 +82,6 @@ def test_family(fam):
     model = hf_families.build(fam)
     ids, kw = _inputs(model)
     interface = hf_families.uses_experts_interface(fam)
-    if interface:
-        model.set_experts_implementation("eager")
-    ref = _out(model, ids, kw)
-    n_experts = len(_experts_modules(model))
 
     if fam in REFUSED:
         with pytest.raises(UnsupportedModelError, match=REFUSED[fam]):
@@ -97,20 +93,27 @@ def test_family(fam):
                 _out(model, ids, kw)
         return
 
-    assert n_experts >= 1, f"{fam}: no experts module found in the tiny model"
-    # transformers' experts interface, experts on moe.dispatch, transformers' router
+    if interface:
+        model.set_experts_implementation("eager")
+    # The experts modules the input reaches (a multimodal family's vision experts stay idle on
+    # text): each must become one moe.dispatch call.
+    calls = []
+    hooks = [m.register_forward_hook(lambda *a: calls.append(1)) for m in _experts_modules(model)]
+    ref = _out(model, ids, kw)
+    for h in hooks:
+        h.remove()
+    assert calls, f"{fam}: no experts module ran in the tiny model"
+    # transformers' experts interface: experts on moe.dispatch under transformers' router
     if interface:
         model.set_experts_implementation("moe_ops")
         with OpCounter() as c:
             got = _out(model, ids, kw)
-        assert c.counts.get("dispatch", 0) == n_experts, c.counts
+        assert c.counts.get("dispatch", 0) == len(calls), c.counts
         assert rel_err(got, ref) < 1e-5
         model.set_experts_implementation("eager")
-    # apply_moe_ops: routers on moe.route where the family's router is listed
+    # apply_moe_ops: the routers on moe.route too where the family's router is listed
     apply_moe_ops(model)
     with OpCounter() as c:
         got = _out(model, ids, kw)
-    assert c.counts.get("dispatch", 0) == n_experts, c.counts
+    assert c.counts.get("dispatch", 0) == len(calls), c.counts
     assert rel_err(got, ref) < 1e-5
-    revert_moe_ops(model)
-    assert torch.equal(_out(model, ids, kw), ref)

@@ -27,7 +27,6 @@ import functools
 import importlib
 import types
 import warnings
-import weakref
 
 import torch
 
@@ -339,7 +338,6 @@ def _plan(model):
 _ABSENT = _hf_routers.ABSENT
 _CLASS_SAVED = _hf_routers.CLASS_SAVED  # class -> its own previous `forward` (or _ABSENT)
 _GLOBAL_SAVED: dict = {}  # (object, attribute) -> previous value (or _ABSENT)
-_CHOSEN: dict = {}  # id(config) -> (weakref to config, the experts implementation chosen for it)
 _FELL_BACK: set = set()  # experts classes already warned about
 
 
@@ -371,26 +369,26 @@ def _revert_classes():
         else:
             setattr(obj, key[1], prev)
         del _GLOBAL_SAVED[key]
-    _CHOSEN.clear()
     _FELL_BACK.clear()
 
 
-def _record_choice(config) -> None:
-    impl = getattr(config, "_experts_implementation", None)
-    if impl is not None:
-        _CHOSEN[id(config)] = (weakref.ref(config), impl)
+class _ChosenImplementation(str):
+    """An experts implementation name the user chose while the class route is on. It equals the
+    plain name everywhere transformers compares or prints it; only the class route tells it apart
+    from transformers' default. A str subclass survives the config copies from_pretrained makes
+    (a registry keyed by the config object would not)."""
+
+    __slots__ = ()
 
 
-def _chosen(config):
-    entry = _CHOSEN.get(id(config))
-    if entry is not None and entry[0]() is config:
-        return entry[1]
-    return None
+def _mark_choice(config) -> None:
+    impl = getattr(config, "_experts_implementation_internal", None)
+    if isinstance(impl, str) and not isinstance(impl, _ChosenImplementation):
+        config._experts_implementation_internal = _ChosenImplementation(impl)
 
 
 def _class_route_experts(chosen_fn, impl, self, *args, **kwargs):
-    config = getattr(self, "config", None)
-    if impl == EXPERTS_IMPLEMENTATION or (impl is not None and _chosen(config) == impl):
+    if impl == EXPERTS_IMPLEMENTATION or isinstance(impl, _ChosenImplementation):
         return chosen_fn(self, *args, **kwargs)
     try:
         layout = experts_layout(self)
@@ -417,16 +415,16 @@ def _wrap_set_experts_implementation(orig):
         for m in self.modules():
             cfg = getattr(m, "config", None)
             if cfg is not None and hasattr(m, "set_experts_implementation"):
-                _record_choice(cfg)
+                _mark_choice(cfg)
         return out
     return set_experts_implementation
 
 
 def _wrap_config_property(prop):
     def fset(self, value):
-        prop.fset(self, value)
+        prop.fset(self, value)  # (recurses into the sub-configs through this same property)
         if value is not None:
-            _record_choice(self)
+            _mark_choice(self)
     return property(prop.fget, fset, prop.fdel, prop.__doc__)
 
 

@@ -984,3 +984,30 @@ def test_class_route_falls_back_for_uncovered_layouts():
     assert not hf.is_patched()
     assert isinstance(vars(PretrainedConfig)["_experts_implementation"], property)
     assert "moe_ops" not in PreTrainedModel.set_experts_implementation.__code__.co_filename
+
+
+def test_class_route_ignores_transformers_own_switches():
+    """generate() on a GPU switches "grouped_mm" to "batched_mm" for the decode and back, through
+    set_experts_implementation: that is not the user's choice, and the experts stay on moe_ops."""
+    from transformers.generation import utils as gen_utils
+
+    try:
+        apply_moe_ops()
+        model = make_model("mixtral")
+        # what _optimize_model_for_decode does, called from a transformers module
+        switch = eval(compile("lambda m, impl: m.set_experts_implementation(impl)",
+                              gen_utils.__file__, "eval"), {"__name__": gen_utils.__name__})
+        switch(model, "batched_mm")
+        with torch.no_grad(), OpCounter() as c:
+            model(input_ids())
+        assert c.counts.get("dispatch", 0) == 2
+        switch(model, "grouped_mm")
+        with torch.no_grad(), OpCounter() as c:
+            model(input_ids())
+        assert c.counts.get("dispatch", 0) == 2
+        model.set_experts_implementation("batched_mm")  # the user's choice
+        with torch.no_grad(), OpCounter() as c:
+            model(input_ids())
+        assert c.counts.get("dispatch", 0) == 0
+    finally:
+        revert_moe_ops()

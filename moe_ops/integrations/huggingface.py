@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 import types
 import warnings
 
@@ -38,10 +39,12 @@ from ._hf_routers import ROUTER_FUNCTIONS, router_forward_for
 
 __all__ = [
     "EXPERTS_IMPLEMENTATION",
+    "ExpertsLayout",
     "SUPPORTED_FAMILIES",
     "UnsupportedModelError",
     "apply_moe_ops",
     "check_experts_layout",
+    "experts_layout",
     "is_patched",
     "moe_ops_experts_forward",
     "register_experts_interface",
@@ -411,11 +414,23 @@ def _wrap_get_interface(orig):
 def _wrap_set_experts_implementation(orig):
     @functools.wraps(orig)
     def set_experts_implementation(self, experts_implementation):
+        configs = [m.config for m in self.modules()
+                   if hasattr(m, "set_experts_implementation") and getattr(m, "config", None) is not None]
+        # transformers switches implementations itself (generate() runs the decode on
+        # "batched_mm" instead of "grouped_mm" on GPUs, then switches back): such a call keeps
+        # each config's chosen-or-default status; only a call from outside transformers is a choice.
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        internal = caller == "transformers" or caller.startswith("transformers.")
+        was_chosen = [isinstance(getattr(c, "_experts_implementation_internal", None),
+                                 _ChosenImplementation) for c in configs]
         out = orig(self, experts_implementation)
-        for m in self.modules():
-            cfg = getattr(m, "config", None)
-            if cfg is not None and hasattr(m, "set_experts_implementation"):
+        for cfg, chosen in zip(configs, was_chosen):
+            if not internal or chosen:
                 _mark_choice(cfg)
+            else:
+                impl = getattr(cfg, "_experts_implementation_internal", None)
+                if isinstance(impl, _ChosenImplementation):
+                    cfg._experts_implementation_internal = str(impl)
         return out
     return set_experts_implementation
 

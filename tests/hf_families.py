@@ -85,6 +85,11 @@ PER_FAMILY = {
     "longcat_flash": dict(moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=32),
     "mimo_v2_flash": dict(num_key_value_heads=2),  # sliding layers double the KV heads
     "mistral4": dict(head_dim=16),
+    "nllb_moe": dict(vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2,
+                     encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_attention_heads=4,
+                     decoder_attention_heads=4, num_experts=4, max_position_embeddings=64),
+    "switch_transformers": dict(vocab_size=128, d_model=32, d_ff=64, d_kv=8, num_heads=4,
+                                num_layers=2, num_decoder_layers=2, num_experts=4),
     "qwen4_exp": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8,
                       indexer_compress_ratio=2, linear_key_head_dim=8, linear_value_head_dim=8,
                       linear_num_key_heads=2, linear_num_value_heads=4),

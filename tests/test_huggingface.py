@@ -1011,3 +1011,28 @@ def test_class_route_ignores_transformers_own_switches():
         assert c.counts.get("dispatch", 0) == 0
     finally:
         revert_moe_ops()
+
+
+def test_custom_gate_with_a_clamp_refused_per_setting():
+    """A custom gate is identified by evaluating it, per setting: Step3p7-style gating (SiLU, then
+    a clamp when `limit` is set) is SiLU without a limit and refused with one."""
+    from moe_ops.integrations._hf_layouts import experts_layout
+
+    model = make_model("mixtral")
+    experts = model.model.layers[0].mlp.experts
+
+    class ClampedExperts(type(experts)):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            gate = self.act_fn(gate)
+            if self.limit is not None:
+                gate = gate.clamp(max=self.limit)
+                up = up.clamp(min=-self.limit, max=self.limit)
+            return gate * up
+
+    experts.__class__ = ClampedExperts
+    experts.limit = None
+    assert experts_layout(experts).activation == "silu"
+    experts.limit = 7.0
+    with pytest.raises(UnsupportedModelError, match="custom gating ClampedExperts._apply_gate"):
+        experts_layout(experts)

@@ -88,7 +88,8 @@ class ExpertsLayout:
 
 _OK_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
-# (experts class, act_fn class, alpha, limit) -> (activation, interleaved) or a problem string:
+# (experts class, act_fn class, scalar settings, 2I) -> (activation, interleaved, alpha, limit) or a
+# problem string:
 # what a custom `_apply_gate` computes, found once by evaluating it (see _probe_custom_gate).
 _GATE_CACHE: dict = {}
 
@@ -130,7 +131,11 @@ def _probe_custom_gate(experts, two_i: int):
     the evaluation is a handful of float32 ops on the CPU, never traced."""
     act = getattr(experts, "act_fn", None)
     params = _swiglu_params(experts)
-    key = (type(experts), type(act), params, two_i)
+    # Everything the gate may read besides the input: the class, the activation's class and the
+    # instance's scalar settings (a clamp limit set on some layers only, e.g. Step3p7's).
+    scalars = tuple(sorted((k, v) for k, v in vars(experts).items()
+                           if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))))
+    key = (type(experts), type(act), scalars, two_i)
     if key in _GATE_CACHE:
         return _GATE_CACHE[key]
     gen = torch.Generator().manual_seed(0)

@@ -1,25 +1,31 @@
 """HuggingFace transformers integration: run the MoE layers of transformers models on
 `torch.ops.moe.route` and `torch.ops.moe.dispatch`.
 
-Two routes, both zero-copy (the ops read the model's own `experts.gate_up_proj` `[E, 2I, H]` and
-`experts.down_proj` `[E, H, I]`):
+Every family whose experts class uses transformers' `@use_experts_implementation` is covered
+through its recorded layout (`_hf_layouts.experts_layout`): `gate_up_proj` `[E, 2I, H]` or, where
+the family stores it transposed (gpt-oss, Aria), `[E, H, 2I]` read as `gate_up_proj.transpose(1, 2)`
+(a view, never a copy); gate/up halves concatenated or interleaved; optional biases; SiLU, GELU
+(erf or tanh), ReLU or gpt-oss's clamped SwiGLU gating. Llama 4's MoE block (router weight on the
+input) is covered too. Ungated experts, post-expert norms, other activations or custom gates,
+DBRX's split gate/up tensors and the capacity-limited routers (NLLB-MoE, Switch) are refused with
+an `UnsupportedModelError` naming the difference.
 
-* `apply_moe_ops(model)` patches every supported sparse MoE block of one model instance: its router
-  (`block.gate`) runs `moe.route` with the family's exact routing arguments and its experts
-  (`block.experts`) run `moe.dispatch`. The block's own forward (shared experts, jitter noise,
-  reshapes) is untouched, so its return value and the router outputs recorded for the auxiliary loss
-  (`output_router_logits=True`) are those of transformers. `apply_moe_ops()` (no model) patches the
-  classes instead, for every model of these families, built before or after. `revert_moe_ops`
-  undoes either. Supported: Mixtral, Qwen2-MoE (sigmoid-gated shared expert), Qwen3-MoE, OLMoE,
-  DeepSeek-V3 (sigmoid scores, `e_score_correction_bias`, group-limited top-k,
-  `routed_scaling_factor`, shared experts; the first `first_k_dense_replace` dense layers are left
-  alone).
+Two routes, both zero-copy:
+
 * `model.set_experts_implementation("moe_ops")` (or `from_pretrained(...,
-  experts_implementation="moe_ops")`): transformers' own router, experts through `moe.dispatch`, for
-  every `@use_experts_implementation` model with the standard layout. `import moe_ops` registers it
-  (`register_experts_interface`).
+  experts_implementation="moe_ops")`): transformers' own router, experts through `moe.dispatch`.
+  `import moe_ops` registers it (`register_experts_interface`).
+* `apply_moe_ops(model)` patches every covered experts module of one model instance and, for the
+  families whose routing is one `moe.route` call (`_hf_routers.ROUTER_KINDS`: softmax then top-k,
+  top-k then softmax with gpt-oss's router bias, DeepSeek-V3/GLM-4-MoE sigmoid with groups and a
+  correction bias, Llama 4's top-1 sigmoid...), their router; other routers (PhiMoE's sparsemixer,
+  ERNIE 4.5's, DeepSeek-V2's group-limited greedy...) stay transformers' torch code. Blocks,
+  shared experts and their gates stay transformers' code, so the recorded router logits and the
+  auxiliary loss are unchanged. `apply_moe_ops()` (no model) patches the classes instead; a
+  model's explicit `set_experts_implementation(...)` still takes effect under it. `revert_moe_ops`
+  undoes either.
 
-Works with transformers 5.x (checked against 5.17 and 5.24).
+Works with transformers 5.x (tested with 5.17, the GPU machine's version, and 5.25).
 """
 from __future__ import annotations
 

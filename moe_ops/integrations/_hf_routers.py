@@ -29,12 +29,44 @@ def _ids(ids):
     return ids.to(torch.int64)
 
 
+_ORDER: dict = {}
+
+
+def _ret(self, logits, weights, ids):
+    """(logits, weights, ids) in the order this router class returns them: transformers 5.17's
+    GraniteMoE router returns (top_k_index, top_k_weights, router_logits), later ones
+    (router_logits, top_k_weights, top_k_index). Read once per class from the last `return` of
+    its own forward."""
+    cls = type(self)
+    order = _ORDER.get(cls)
+    if order is None:
+        order = (0, 1, 2)
+        try:
+            src = inspect.getsource(original_forward(self))
+            names = [n.strip() for n in re.findall(r"return\s+([^\n]+)", src)[-1].split(",")]
+            if len(names) == 3:
+                def kind(n):
+                    if "logit" in n:
+                        return 0
+                    if "ind" in n or "idx" in n or "expert" in n:
+                        return 2
+                    return 1
+                found = tuple(kind(n) for n in names)
+                if sorted(found) == [0, 1, 2]:
+                    order = found
+        except (OSError, TypeError, IndexError):
+            pass
+        _ORDER[cls] = order
+    out = (logits, weights, ids)
+    return tuple(out[i] for i in order)
+
+
 def softmax_renorm_forward(self, hidden_states):
     """Mixtral, MiniMax: softmax (float32) -> top-k -> renormalise; the weights stay float32."""
     hidden_states = hidden_states.reshape(-1, self.weight.shape[1])
     router_logits = F.linear(hidden_states, self.weight)
     weights, ids = _route(router_logits, int(self.top_k), "softmax", True, None, 1, 1, 1.0)
-    return router_logits, weights, _ids(ids)
+    return _ret(self, router_logits, weights, _ids(ids))
 
 
 def qwen_forward(self, hidden_states):
@@ -44,7 +76,7 @@ def qwen_forward(self, hidden_states):
     router_logits = F.linear(hidden_states, self.weight)
     weights, ids = _route(router_logits, int(self.top_k), "softmax", bool(self.norm_topk_prob),
                           None, 1, 1, 1.0)
-    return router_logits, weights.to(router_logits.dtype), _ids(ids)
+    return _ret(self, router_logits, weights.to(router_logits.dtype), _ids(ids))
 
 
 def qwen_always_renorm_forward(self, hidden_states):
@@ -52,7 +84,7 @@ def qwen_always_renorm_forward(self, hidden_states):
     hidden_states = hidden_states.reshape(-1, self.weight.shape[1])
     router_logits = F.linear(hidden_states, self.weight)
     weights, ids = _route(router_logits, int(self.top_k), "softmax", True, None, 1, 1, 1.0)
-    return router_logits, weights.to(router_logits.dtype), _ids(ids)
+    return _ret(self, router_logits, weights.to(router_logits.dtype), _ids(ids))
 
 
 def jamba_forward(self, hidden_states):
@@ -60,7 +92,7 @@ def jamba_forward(self, hidden_states):
     router_logits = F.linear(hidden_states, self.weight)
     weights, ids = _route(router_logits.reshape(-1, router_logits.shape[-1]), int(self.top_k),
                           "softmax", False, None, 1, 1, 1.0)
-    return router_logits, weights.to(hidden_states.dtype), _ids(ids)
+    return _ret(self, router_logits, weights.to(hidden_states.dtype), _ids(ids))
 
 
 def granite_forward(self, hidden_states):
@@ -70,7 +102,7 @@ def granite_forward(self, hidden_states):
     router_logits = F.linear(hidden_states, self.weight).float()
     weights, ids = _route(router_logits.reshape(-1, router_logits.shape[-1]), int(self.top_k),
                           "softmax", True, None, 1, 1, 1.0)
-    return router_logits, weights.type_as(hidden_states), _ids(ids)
+    return _ret(self, router_logits, weights.type_as(hidden_states), _ids(ids))
 
 
 def topk_softmax_forward(self, hidden_states):
@@ -80,7 +112,7 @@ def topk_softmax_forward(self, hidden_states):
     router_logits = F.linear(hidden_states, self.weight, bias if isinstance(bias, torch.Tensor) else None)
     weights, ids = _route(router_logits.reshape(-1, router_logits.shape[-1]), int(self.top_k),
                           "softmax", True, None, 1, 1, 1.0)
-    return router_logits, weights.to(router_logits.dtype), _ids(ids)
+    return _ret(self, router_logits, weights.to(router_logits.dtype), _ids(ids))
 
 
 def deepseek_v2_forward(self, hidden_states):
@@ -94,7 +126,7 @@ def deepseek_v2_forward(self, hidden_states):
     router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
     weights, ids = _route(router_logits, int(self.top_k), "softmax", False, None, 1, 1,
                           float(self.routed_scaling_factor))
-    return router_logits, weights, _ids(ids)
+    return _ret(self, router_logits, weights, _ids(ids))
 
 
 def deepseek_v3_forward(self, hidden_states):
@@ -120,7 +152,7 @@ def deepseek_v3_forward(self, hidden_states):
     weights, ids = _route(router_logits, top_k, "sigmoid", bool(self.norm_topk_prob),
                           self.e_score_correction_bias, num_groups, topk_groups,
                           float(self.routed_scaling_factor))
-    return router_logits, weights, _ids(ids)
+    return _ret(self, router_logits, weights, _ids(ids))
 
 
 _ZERO_MASK = {}

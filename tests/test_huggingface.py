@@ -1036,3 +1036,28 @@ def test_custom_gate_with_a_clamp_refused_per_setting():
     experts.limit = 7.0
     with pytest.raises(UnsupportedModelError, match="custom gating ClampedExperts._apply_gate"):
         experts_layout(experts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["interface", "apply"])
+def test_gpu_bf16_gpt_oss(route):
+    """gpt-oss in bf16 on CUDA (Triton kernels with the transposed, interleaved, biased,
+    swiglu_oai variant): logits and a training step against transformers' eager experts."""
+    ref_model = _randomise_biases(_gpt_oss()).to(device="cuda", dtype=torch.bfloat16).train()
+    ref_model.set_experts_implementation("eager")
+    model = copy.deepcopy(ref_model)
+    if route == "interface":
+        model.set_experts_implementation("moe_ops")
+    else:
+        apply_moe_ops(model)
+    ids = input_ids(device="cuda")
+    out = model(ids, labels=ids)
+    ref = ref_model(ids, labels=ids)
+    assert rel_err(out.logits.float(), ref.logits.float()) < BF16_TOL
+    out.loss.backward()
+    ref.loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        if q.grad is None:
+            continue
+        assert p.grad is not None, n
+        assert rel_err(p.grad.float(), q.grad.float()) < 5e-2, n

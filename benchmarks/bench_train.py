@@ -1,6 +1,6 @@
 """Training benchmark: forward + backward of the MoE expert computation (grads for hidden, w13, w2
 and topk_weights) for moe_ops against the `torch._grouped_mm` pipeline under autograd and
-transformers' "grouped_mm" experts (../shared/BENCHMARK.md, Training; issue 6).
+transformers' "grouped_mm" experts.
 
 For every (shape, T): bf16 weights (std 0.02, requires_grad), standard-normal hidden
 (requires_grad), topk_weights from torch.ops.moe.route on random logits (float32, requires_grad),
@@ -37,10 +37,10 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)   # this checkout's moe_ops, without PYTHONPATH or an install
 
 import moe_ops  # noqa: E402  (registers torch.ops.moe.*)
-from moe_ops import _baselines as bl  # noqa: E402
-from moe_ops import bench as bm  # noqa: E402
-from moe_ops._cli import device as cli_device  # noqa: E402
-from moe_ops._cli import output_file, positive, token_count  # noqa: E402
+from moe_ops.tools import baselines as bl  # noqa: E402
+from moe_ops.tools import bench as bm  # noqa: E402
+from moe_ops.tools._cli import device as cli_device  # noqa: E402
+from moe_ops.tools._cli import output_file, positive, token_count  # noqa: E402
 from moe_ops.reference import dispatch_backward_reference  # noqa: E402
 
 SHAPE_NAMES = ["mixtral_8x7b", "qwen3_30b_a3b", "qwen3_30b_a3b_zipf", "deepseek_v3_routed"]

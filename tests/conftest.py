@@ -12,7 +12,7 @@ import moe_ops  # noqa: F401  (registers torch.ops.moe.*)
 # with the variable set).
 import moe_ops.launch.dispatch_backward  # noqa: F401,E402
 import moe_ops.launch.routing  # noqa: F401,E402
-from moe_ops.debug import OpCounter  # noqa: E402,F401  (the tests import it from here)
+from moe_ops.tools.debug import OpCounter  # noqa: E402,F401  (the tests import it from here)
 
 # Every fast launch (moe_ops.launch.fast) in the tests is checked against the kernel Triton's JIT
 # would pick (CUDA only; GPU tests).
@@ -88,12 +88,12 @@ def subnormal_floor(dtype: torch.dtype, numel: int) -> float:
 @pytest.fixture
 def interpreter(monkeypatch):
     """CPU tensors run the Triton kernels through Triton's interpreter."""
-    from moe_ops._runtime import interpreter_works
+    from moe_ops.launch._common import interpreter_works
 
     if not interpreter_works():
         import triton
         pytest.skip(f"triton {triton.__version__}'s interpreter cannot run the kernels here "
-                    "(not run: see moe_ops._runtime.interpreter_works)")
+                    "(not run: see moe_ops.launch._common.interpreter_works)")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     yield
 
@@ -167,7 +167,7 @@ def assert_equal_across_tile_heights(a: torch.Tensor, b: torch.Tensor, msg=None,
 
 
 def _needs_interpreter():
-    from moe_ops._runtime import interpreter_works
+    from moe_ops.launch._common import interpreter_works
 
     return pytest.mark.skipif(not interpreter_works(),
                               reason="this Triton's interpreter cannot run the kernels (not run)")

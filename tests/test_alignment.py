@@ -51,21 +51,18 @@ def test_alignment_exact(interpreter, routing, block_m):
 
 
 @pytest.mark.parametrize("variant", ["two_launch_tri", "two_launch_cumsum", "columns"])
-def test_alignment_many_programs(interpreter, variant, monkeypatch):
+def test_alignment_many_programs(interpreter, variant, constrain):
     """Every multi-program variant gives the reference's table exactly: the two-launch path
     with triangular in-chunk ranks and with cumulative sums, and the three-launch path (count,
     column scan, place; the default for large T*K, with ~one chunk per program and up to 4096
     programs, too slow to interpret here) with 40 programs of several chunks each and a column
     scan of several steps."""
-    import moe_ops.launch.alignment as la
-
     if variant in ("two_launch_tri", "two_launch_cumsum"):
-        monkeypatch.setattr(la, "COLUMNS_MIN_CHUNKS", 1 << 30)
-        monkeypatch.setattr(la, "TRI_RANK", variant == "two_launch_tri")
+        constrain(columns_min_chunks=1 << 30,
+                   triangular_rank=variant == "two_launch_tri")
     if variant == "columns":
-        monkeypatch.setattr(la, "COLUMNS_MIN_CHUNKS", 1)
-        monkeypatch.setattr(la, "MAX_COLUMN_PROGRAMS", 40)
-        monkeypatch.setattr(la, "COLUMN_SCAN_BLOCK", 16)
+        constrain(columns_min_chunks=1, max_column_programs=40,
+                   column_scan_block=16)
     # enough slots for several count/scatter programs, each walking several chunks (two
     # launches: 63 programs of 4 chunks; columns: 36 programs of 7)
     ids = torch.randint(-1, 256, (1000, 8), dtype=torch.int32)
@@ -79,7 +76,7 @@ def test_alignment_many_programs(interpreter, variant, monkeypatch):
     # occur
     if variant == "two_launch_cumsum":   # (the two-launch default at E < 64 only; as above)
         return
-    monkeypatch.setattr(la, "SCAN_ELEMS", 16 * 256)   # at most 16 two-launch programs
+    constrain(scan_elems=16 * 256)   # at most 16 two-launch programs
     g = torch.Generator().manual_seed(3)
     hot = torch.randint(0, 256, (1500, 8), generator=g, dtype=torch.int32) % 40
     ids = torch.where(torch.rand(1500, 8, generator=g) < 0.7, hot,
@@ -110,25 +107,21 @@ def test_alignment_hypothesis(T, E, block_m, data):
     lo = data.draw(st.sampled_from([-1, 0]))
     ids = torch.randint(lo, E + data.draw(st.integers(0, 2)), (T, K), dtype=torch.int32,
                         generator=torch.Generator().manual_seed(data.draw(st.integers(0, 2**31))))
-    import moe_ops.launch.alignment as la
+    from moe_ops.tuning import AlignmentConfig, config_constraints
 
     # half the draws take the three-launch path (count, column scan, place) with few programs
     # and a short scan step, so that spans of several chunks and multi-step scans occur
     switches = {}
     if data.draw(st.booleans()):
-        switches = dict(COLUMNS_MIN_CHUNKS=1,
-                        MAX_COLUMN_PROGRAMS=data.draw(st.integers(1, 9)),
-                        COLUMN_SCAN_BLOCK=data.draw(st.sampled_from([2, 4, 1024])))
-    saved = {k: getattr(la, k) for k in switches}
+        switches = dict(columns_min_chunks=1,
+                        max_column_programs=data.draw(st.integers(1, 9)),
+                        column_scan_block=data.draw(st.sampled_from([2, 4, 1024])))
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        for k, v in switches.items():
-            setattr(la, k, v)
-        _check(ids, E, block_m)
+        with config_constraints(AlignmentConfig, **switches):
+            _check(ids, E, block_m)
     finally:
-        for k, v in saved.items():
-            setattr(la, k, v)
         if old is None:
             os.environ.pop("TRITON_INTERPRET")
         else:
@@ -160,9 +153,9 @@ def test_interpreter_set_before_import():
 
 _GPU_VARIANTS = {
     "default": {},
-    "two_launch_tri": dict(COLUMNS_MIN_CHUNKS=1 << 30, TRI_RANK=True),
-    "two_launch_cumsum": dict(COLUMNS_MIN_CHUNKS=1 << 30, TRI_RANK=False),
-    "columns_few": dict(COLUMNS_MIN_CHUNKS=1, MAX_COLUMN_PROGRAMS=40, COLUMN_SCAN_BLOCK=16),
+    "two_launch_tri": dict(columns_min_chunks=1 << 30, triangular_rank=True),
+    "two_launch_cumsum": dict(columns_min_chunks=1 << 30, triangular_rank=False),
+    "columns_few": dict(columns_min_chunks=1, max_column_programs=40, column_scan_block=16),
 }
 
 
@@ -186,14 +179,11 @@ def _poison_allocator():
 ])
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "negative", "empty_experts",
                                      "one_expert"])
-def test_alignment_exact_gpu(T, E, K, block_m, routing, variant, monkeypatch):
+def test_alignment_exact_gpu(T, E, K, block_m, routing, variant, constrain):
     """On the GPU (compiled kernels, not the interpreter): every form of the alignment gives the
     reference's table exactly, on poisoned memory, at decode and prefill sizes and with skewed,
     negative, empty-expert and one-expert routing."""
-    import moe_ops.launch.alignment as la
-
-    for name, value in _GPU_VARIANTS[variant].items():
-        monkeypatch.setattr(la, name, value)
+    constrain(**_GPU_VARIANTS[variant])
     g = torch.Generator(device="cuda").manual_seed(T * 131 + E)
     *_, ids = make_dispatch_inputs(T, 1, 1, E, K, device="cuda", routing=routing, generator=g)
     _poison_allocator()
@@ -205,12 +195,14 @@ def test_alignment_exact_gpu(T, E, K, block_m, routing, variant, monkeypatch):
     (2049, ["count_kernel", "column_scan_kernel", "place_columns_kernel"])])
 def test_alignment_form_at_the_columns_threshold(interpreter, monkeypatch, n_slots, kernels):
     """Default switches: the three-launch form (count, column scan, place) takes over where the
-    two-launch programs would each walk COLUMNS_MIN_CHUNKS (2) chunks or more. 256 experts:
+    two-launch programs would each walk AlignmentConfig.columns_min_chunks (2) chunks or more. 256 experts:
     chunks of 32 slots and at most 64 two-launch programs, so 2048 slots are 64 spans of one
     chunk (two launches) and 2049 slots 33 spans of two chunks (three launches)."""
     import moe_ops.launch.alignment as la
 
-    assert la.COLUMNS_MIN_CHUNKS == 2
+    from moe_ops.launch.alignment import alignment_config
+
+    assert alignment_config().columns_min_chunks == 2
     names = []
     spy_kernel_launches(monkeypatch, la, lambda kernel, grid, args, kwargs: names.append(
         kernel.fn.__name__ if hasattr(kernel, "fn") else "?"))
@@ -218,3 +210,13 @@ def test_alignment_form_at_the_columns_threshold(interpreter, monkeypatch, n_slo
                         generator=torch.Generator().manual_seed(n_slots))
     _check(ids, 256, 16)
     assert names == kernels, names
+
+
+
+@pytest.fixture
+def constrain():
+    """Sets AlignmentConfig constraints for one test; resets them after it."""
+    from moe_ops.tuning import AlignmentConfig, reset_config_constraints, update_config_constraints
+
+    yield lambda **fields: update_config_constraints(AlignmentConfig, **fields)
+    reset_config_constraints(AlignmentConfig)

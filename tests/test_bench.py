@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import env_without_interpreter, expert_counts_skewed, needs_interpreter
-from moe_ops import bench
+from moe_ops.tools import bench
 
 ROOT = Path(__file__).parents[1]
 SHAPE = "qwen3_30b_a3b"
@@ -113,13 +113,13 @@ def test_output_directory_is_checked_before_benchmarking(tmp_path):
 
 
 @pytest.mark.parametrize("module,args,message", [
-    ("moe_ops.bench", ["--csv", "{tmp}"], "--csv {tmp}: is a directory"),
-    ("moe_ops.bench", ["--md", "{tmp}"], "--md {tmp}: is a directory"),
-    ("moe_ops.bench", ["--plot", "{tmp}/x.txt"], "the file type must be one of"),
+    ("moe_ops.tools.bench", ["--csv", "{tmp}"], "--csv {tmp}: is a directory"),
+    ("moe_ops.tools.bench", ["--md", "{tmp}"], "--md {tmp}: is a directory"),
+    ("moe_ops.tools.bench", ["--plot", "{tmp}/x.txt"], "the file type must be one of"),
     ("bench_train", ["--md", "{tmp}/missing/x.md"], "no such directory"),
     ("bench_train", ["--csv", "{tmp}"], "--csv {tmp}: is a directory"),
     ("bench_train", ["--rep-ms", "0"], "--rep-ms must be > 0"),
-    ("moe_ops.tune", ["--out-dir", "{tmp}/afile"], "exists and is not a directory"),
+    ("moe_ops.tools.tune", ["--out-dir", "{tmp}/afile"], "exists and is not a directory"),
 ])
 def test_cli_output_paths_checked_before_the_run(module, args, message, tmp_path, capsys,
                                                  monkeypatch):
@@ -128,15 +128,15 @@ def test_cli_output_paths_checked_before_the_run(module, args, message, tmp_path
     once, before a run of minutes or hours."""
     (tmp_path / "afile").write_text("")
     args = [a.format(tmp=tmp_path) for a in args]
-    if module == "moe_ops.bench":
+    if module == "moe_ops.tools.bench":
         pytest.importorskip("matplotlib") if "--plot" in args else None
-        from moe_ops import bench as mod
+        from moe_ops.tools import bench as mod
         call = lambda: mod.parse_args(["--tiny"] + args)   # noqa: E731
     elif module == "bench_train":
         mod = _import_benchmark_script("bench_train.py", monkeypatch)
         call = lambda: mod.parse_args(["--tiny"] + args)   # noqa: E731
     else:
-        from moe_ops import tune as mod
+        from moe_ops.tools import tune as mod
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         call = lambda: mod.main(["--device", "cpu", "--shape", "16,16,4,2", "--tokens", "1"]  # noqa
                                 + args)
@@ -162,7 +162,7 @@ def test_cli_bad_arguments_are_usage_errors(module, args, message, capsys, monke
     import importlib
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    mod = importlib.import_module(f"moe_ops.{module}")
+    mod = importlib.import_module(f"moe_ops.tools.{module}")
     with pytest.raises(SystemExit) as exc:
         mod.parse_args(args) if module == "bench" else mod.main(args)
     assert exc.value.code == 2
@@ -170,7 +170,7 @@ def test_cli_bad_arguments_are_usage_errors(module, args, message, capsys, monke
 
 
 def test_compile_check_refuses_the_interpreter(capsys, monkeypatch):
-    from moe_ops import compile_check
+    from moe_ops.tools import compile_check
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(SystemExit) as exc:
@@ -183,7 +183,7 @@ def test_compile_check_refuses_the_interpreter(capsys, monkeypatch):
 def test_cli_cuda_without_cuda(module, capsys):
     import importlib
 
-    mod = importlib.import_module(f"moe_ops.{module}")
+    mod = importlib.import_module(f"moe_ops.tools.{module}")
     args = ["--device", "cuda"] + (["--tiny"] if module == "bench" else ["--shape", "64,32,8,2"])
     with pytest.raises(SystemExit) as exc:
         mod.parse_args(args) if module == "bench" else mod.main(args)
@@ -273,7 +273,7 @@ def test_roofline_series_uses_the_best_time_and_leaves_gaps():
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
 def test_benchmark_scripts_import(script, monkeypatch):
     """The GPU-only scripts under benchmarks/ are not run here, but they must import against
-    the current package (a renamed helper shows up in CI, not on the next GPU session)."""
+    the current package (a renamed helper shows up in CI, not on the next GPU run)."""
     mod = _import_benchmark_script(script, monkeypatch)
     assert callable(getattr(mod, "main", None)), script
 
@@ -295,56 +295,3 @@ def test_run_gpu_script_parses():
     assert r.returncode == 0, r.stderr
 
 
-@needs_interpreter
-def test_ab_wg_schedule_wg_alone_in_interpreter(interpreter, monkeypatch):
-    """ab_wg_schedule.py --wg-alone's core on the CPU (interpreter; do_bench replaced by one
-    call): it records the two weight-gradient launches of one backward and relaunches each under
-    every deal on NaN-poisoned outputs; skewed routing, so LPT ranks and snakes, and the deals'
-    gradients are bitwise equal (each tile is still summed whole, in row order). Then the
-    backward A/B's "fixed, scratch" variant."""
-    import dataclasses
-    import types
-
-    import torch
-    import triton
-
-    import moe_ops.launch.dispatch_backward as db
-    from moe_ops.launch.dispatch import dispatch_triton
-    from moe_ops.ops.samples import make_dispatch_inputs
-    from moe_ops.tuning.heuristics import backward_config, dispatch_config
-
-    ab = _import_benchmark_script("ab_wg_schedule.py", monkeypatch)
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup=0, rep=0: (fn(), 1.0)[1])
-    monkeypatch.setattr(ab.bench, "kernel_times_us", lambda fn, n=3: (fn(), {"k": 2e3})[1])
-    T, H, I, E, K = 24, 32, 24, 6, 2
-    g = torch.Generator().manual_seed(11)
-    x, w13, w2, tw, ids = make_dispatch_inputs(T, H, I, E, K, generator=g)
-    ids[:, 0] = 0   # expert 0 in every token: half the rows (the LPT ranking and snake run)
-    ids[:, 1] = torch.randint(1, E, (T,), generator=g, dtype=ids.dtype)
-    x, w13, w2, tw = (t.half() for t in (x, w13, w2, tw))
-    go = torch.randn(T, H, generator=g).half()
-    cfg = dispatch_config(T, E, K, H, I, "cpu", torch.float16)
-    base = dataclasses.replace(backward_config(cfg, "cpu", torch.float16), wg_chunk=2)
-    _, z = dispatch_triton(x, w13, w2, tw, ids, config=cfg, save_z=True)
-    counts, skewed = expert_counts_skewed(ids, E, db.LPT_MIN_SKEW)
-    assert skewed, counts   # the LPT branch runs
-    args = types.SimpleNamespace(rounds=2, variants=["fixed", "lpt", "index order, snake"])
-    switches = [getattr(db, k) for k in ab._SWITCHES]
-    rows = ab._wg_alone("tiny", args, base, lambda bc: db.dispatch_backward_triton(
-        go, x, w13, w2, tw, ids, z=z, config=cfg, bwd_config=bc))
-    assert [r[1] for r in rows] == args.variants
-    assert all(r[2:6] == (1.0, 1.0, 2.0, 2.0) and r[6] is True for r in rows), rows
-    assert switches == [getattr(db, k) for k in ab._SWITCHES]   # restored
-    # the "fixed, scratch" variant: the same gradients with the unused scratch allocated before
-    # each weight-gradient launch; the launch function restored afterwards
-    launch, sizes = db.weight_grad_triton, []
-    monkeypatch.setattr(torch, "empty", lambda *a, _e=torch.empty, **k: (
-        sizes.append(a), _e(*a, **k))[1])
-    bc = ab._variant(base, ab.SCRATCH_VARIANTS["fixed, scratch"])
-    with_scratch = ab._with_scratch(True, lambda: db.dispatch_backward_triton(
-        go, x, w13, w2, tw, ids, z=z, config=cfg, bwd_config=bc))
-    scratch = [a for a in sizes if a == (db.num_programs(x.device) * bc.wg_per_sm * 8,)]
-    assert len(scratch) == 2, sizes   # dW2, dW13 (E = 6 -> 8 lanes)
-    assert db.weight_grad_triton is launch
-    plain = db.dispatch_backward_triton(go, x, w13, w2, tw, ids, z=z, config=cfg, bwd_config=bc)
-    assert all(torch.equal(a, b) for a, b in zip(with_scratch, plain))

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def compile_check():
-    cc = pytest.importorskip("moe_ops.compile_check")
+    cc = pytest.importorskip("moe_ops.tools.compile_check")
     try:
         import triton
         import triton.language as tl
@@ -45,33 +45,27 @@ def _compile_all(cc, launches):
                          + [("mixtral_8x7b", 8192)])
 def test_heuristic_configs_compile(compile_check, name, T, monkeypatch):
     """Forward and backward of the heuristic's bf16 config: every kernel compiles; at 128-row
-    blocks the gate+up and down GEMMs issue wgmma and take their weight tiles by TMA (the down
-    GEMM warp-specialised where the config says so: a producer warp group and two consumer
-    groups, 12 warps), and the weight gradients run the warp-specialised persistent kernel
-    (wgmma, TMA copies, 12 warps)."""
-    # the warp-specialised kernels are opt-in (MOE_OPS_WARP_SPECIALIZE): compile them too
-    monkeypatch.setenv("MOE_OPS_WARP_SPECIALIZE", "1")
+    blocks the gate+up and down GEMMs issue wgmma and take their weight tiles by TMA, and the
+    weight gradients run the persistent kernel (wgmma, TMA copies)."""
     H, I, E, K = SHAPES[name]
     cfg = heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16)
-    launches = compile_check.forward_launches((H, I, E, K), 1 if cfg.direct else 16, cfg,
+    launches = compile_check.forward_launches((H, I, E, K), 1 if cfg.direct_rows else 16, cfg,
                                               torch.bfloat16, backward=T > 1,
                                               rows_per_expert=T * K / E)
     got = _compile_all(compile_check, launches)
     assert "gate_up_kernel" in got
     if cfg.block_m == 128:
-        assert cfg.tma_pair and cfg.half_tail
-        down = "rows_gemm_ws_kernel" if cfg.down_ws else "down_kernel"
-        for kname in ("gate_up_kernel", down):
+        assert cfg.tma_gate_up_pair and cfg.half_height_tails
+        for kname in ("gate_up_kernel", "down_kernel"):
             fwd = got[kname][0]
             assert fwd.wgmma > 0 and fwd.tma > 0, (kname, fwd.wgmma, fwd.tma)
-        assert (got[down][0].warps == 12) == cfg.down_ws, got[down][0].warps
-        if not cfg.down_ws:   # the act tiles by TMA too (tma_a): no pointer copies left
-            assert cfg.tma_a and got[down][0].cp_async == 0, got[down][0].cp_async
-        wg = got.get("weight_grad_ws_kernel")
-        assert wg and all(c.wgmma > 0 and c.tma > 0 and c.warps == 12 for c in wg), sorted(got)
-        assert "weight_grad_kernel" not in got and "weight_grad_persistent_kernel" not in got
+        # the act tiles by TMA too (tma_down_activations): no pointer copies left
+        assert cfg.tma_down_activations and got["down_kernel"][0].cp_async == 0
+        wg = got.get("weight_grad_persistent_kernel")
+        assert wg and all(c.wgmma > 0 and c.tma > 0 for c in wg), sorted(got)
+        assert "weight_grad_kernel" not in got
     if T == 1:
-        assert cfg.fuse_combine == ("down_combine_one_token_kernel" in got)
+        assert cfg.down_combine_fused == ("down_combine_one_token_kernel" in got)
         assert "combine_kernel" not in got   # folded or done by the down kernel's last program
 
 
@@ -105,13 +99,13 @@ def test_path_switches_compile(compile_check):
         for vname, cfg in neighbours(base, dtype).items():
             if vname != "heuristic" and not any(w in vname for w in words):
                 continue
-            launches = compile_check.forward_launches((H, I, E, K), 1 if cfg.direct else 16,
+            launches = compile_check.forward_launches((H, I, E, K), 1 if cfg.direct_rows else 16,
                                                       cfg, dtype)
             _compile_all(compile_check, launches)
 
 
 def test_weight_grad_lpt_compiles(compile_check, monkeypatch):
-    """The persistent weight-gradient kernel with the LPT schedule (BackwardConfig.wg_lpt: its
+    """The persistent weight-gradient kernel with the LPT schedule (WeightGradConfig.lpt_schedule: its
     ranking prologue and per-chunk order load sit behind runtime branches) compiles for sm_90
     with the same wgmma and TMA path as the fixed schedule, and the same shared memory."""
     import dataclasses
@@ -125,7 +119,8 @@ def test_weight_grad_lpt_compiles(compile_check, monkeypatch):
     got = {}
     for lpt in (False, True):
         monkeypatch.setattr(hz, "backward_config", lambda *a, lpt=lpt, **k: dataclasses.replace(
-            orig(*a, **k), wg_persistent=True, wg_ws=False, wg_lpt=lpt))
+            orig(*a, **k), weight_grad=dataclasses.replace(orig(*a, **k).weight_grad,
+                                                           persistent=True, lpt_schedule=lpt)))
         launches = [la for la in compile_check.forward_launches(
             (H, I, E, K), 16, cfg, torch.bfloat16, backward=True, rows_per_expert=T * K / E)
             if la.name == "weight_grad_persistent_kernel"]

@@ -22,7 +22,7 @@ from torch.export import Dim
 import moe_ops  # noqa: F401  (registers torch.ops.moe.*)
 from conftest import rel_err
 from moe_block import MoEBlock, route
-from moe_ops.bench import capture_graph
+from moe_ops.tools._timing import capture_graph
 from moe_ops.reference import dispatch_reference
 
 pytestmark = [pytest.mark.gpu,
@@ -176,7 +176,7 @@ def test_decode_step_captured_in_cuda_graph_replays_on_new_inputs(T, router):
 
 # ----------------------------------------------------------------------------------------------
 # Training steps in CUDA graphs (forward + backward): a small-batch training step is host-bound
-# in eager mode (benchmarks/NOTES.md, entry 50); captured, it replays at the kernels' time.
+# in eager mode (docs/design.md); captured, it replays at the kernels' time.
 
 
 def _train_leaves(T, gen):
@@ -381,7 +381,7 @@ with torch.no_grad():
 
 def test_aoti_package_loads_and_matches_eager_subprocess(tmp_path):
     """Runs the AOTInductor check in a child process: a crash there must not take the test
-    session down. On the H200 with torch 2.11.0+cu130 (2026-11-29) `aoti_load_package` died with
+    process down. On the H200 with torch 2.11.0+cu130 (2026-11-29) `aoti_load_package` died with
     a segmentation fault for every CUDA package, a plain matmul module in a process that never
     imported moe_ops included. So when the check crashes, the same load is tried without moe_ops:
     if that crashes too the test is skipped (the torch build cannot load CUDA AOTI packages);

@@ -4,6 +4,7 @@ gradients (gradcheck, bias gradients, gradient strides), opcheck, errors, and th
 Triton kernels."""
 import pytest
 import torch
+import torch._dynamo.testing
 import torch.nn.functional as F
 
 import moe_ops
@@ -208,3 +209,223 @@ def test_errors(path, request):
         check_dispatch(*meta)   # (the op runs this check first; no Meta kernel to reach)
     with pytest.raises(TypeError, match="w2 must be a strided"):
         moe_ops.dispatch(h, w13, w2.detach().contiguous().to_sparse(), w, ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton forward (interpreted): every path of dispatch_triton with every variant
+
+def _configs():
+    from dataclasses import replace
+
+    from moe_ops.tuning.configs import DispatchConfig
+
+    base = DispatchConfig(block_m=16, gate_up_block_n=16, gate_up_block_k=16, down_block_n=16,
+                          down_block_k=16, num_warps=4, num_stages=1)
+    return {
+        "pointer": base,
+        "tma_pair": replace(base, block_m=32, tma_weights=True, tma_gate_up_pair=True,
+                            half_height_tails=True, tma_down_activations=True),
+        "tma": replace(base, tma_weights=True),
+        "direct": replace(base, direct_rows=True),
+        "direct_fused": replace(base, direct_rows=True, down_combine_fused=True),
+        "direct_combine_last": replace(base, direct_rows=True, combine_in_down=True),
+    }
+
+
+def _compute_kw(kw):
+    return {k: kw[k] for k in ("activation", "w13_bias", "w2_bias", "alpha", "limit",
+                               "gate_up_interleaved", "weights_on_input") if k in kw}
+
+
+def _triton_forward_check(args, kw, cfg, dtype, save_z=False):
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.reference.dispatch import dispatch_z_reference
+
+    T, H = args[0].shape
+    out = torch.full((T, H), float("nan"), dtype=dtype)
+    res = dispatch_triton(*args, config=cfg, out=out, save_z=save_z, **_compute_kw(kw))
+    got = res[0] if save_z else res
+    assert got.data_ptr() == out.data_ptr()
+    ref = _oracle64(args, kw)
+    if T:
+        tol = 1e-5 if dtype == torch.float32 else 4e-3
+        assert rel_err(got, ref) <= tol, rel_err(got, ref)
+    if save_z:
+        z_ref = dispatch_z_reference(*[_double(a) if a.is_floating_point() else a
+                                       for a in (args[0], args[1])], args[4])
+        assert rel_err(res[1], z_ref) <= (1e-5 if dtype == torch.float32 else 4e-3)
+
+
+@pytest.mark.parametrize("path", ["pointer", "tma_pair", "direct", "direct_fused",
+                                  "direct_combine_last"])
+@pytest.mark.parametrize("name", VARIANT_IDS)
+def test_triton_forward_variants(interpreter, name, path):
+    """Each variant on each path: T = 1 for the one-token paths (dropped ids included), an odd
+    shape elsewhere; 16-byte aligned rows for the descriptor path (else it falls back)."""
+    cfg = _configs()[path]
+    if path.startswith("direct"):
+        T, K, routing = (1 if path != "direct" else 5), 3, "negative"
+    else:
+        T, K, routing = 7, 2, "negative"
+    H, I = (16, 8) if path == "tma_pair" else (9, 5)
+    args, kw = _inputs(name, T=T, H=H, I=I, E=5, K=K, routing=routing, seed=3)
+    _triton_forward_check(args, kw, cfg, torch.float32, save_z=path in ("pointer", "direct"))
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "weights_on_input", "gelu_tanh"])
+def test_triton_forward_float16_and_edges(interpreter, name):
+    """float16 with float32 biases, the two-copy descriptor path, T = 0, every slot on one
+    expert, K = E."""
+    cfg = _configs()
+    args, kw = _inputs(name, T=6, H=16, I=8, E=3, K=2, dtype=torch.float16, seed=4,
+                       bias_dtype=torch.float32)
+    _triton_forward_check(args, kw, cfg["tma"], torch.float16)
+    args, kw = _inputs(name, T=0, H=9, I=5, E=3, K=2, seed=5)
+    _triton_forward_check(args, kw, cfg["pointer"], torch.float32, save_z=True)
+    args, kw = _inputs(name, T=9, H=9, I=5, E=3, K=1, routing="one_expert", seed=6)
+    _triton_forward_check(args, kw, cfg["pointer"], torch.float32)
+    args, kw = _inputs(name, T=4, H=9, I=5, E=3, K=3, routing="uniform", seed=7)
+    _triton_forward_check(args, kw, cfg["tma_pair"], torch.float32)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "relu"])
+def test_op_interpreted_bfloat16(interpreter, name):
+    """bf16 through the op under the interpreter (run on float32 copies: see
+    ops.dispatch._interpreted_bf16), forward and backward."""
+    args, kw = _inputs(name, T=5, H=9, I=5, E=4, K=2, dtype=torch.bfloat16, seed=8,
+                       requires_grad=True)
+    out = moe_ops.dispatch(*args, **kw)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, _oracle64(args, kw)) <= RTOL[torch.bfloat16]
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton backward (interpreted)
+
+def _grads_oracle(args, kw, go):
+    a64 = [_double(a).requires_grad_(True) if a.is_floating_point() else a for a in args]
+    kw64 = dict(kw, w13_bias=_double(kw["w13_bias"]), w2_bias=_double(kw["w2_bias"]))
+    for k in ("w13_bias", "w2_bias"):
+        if kw64[k] is not None:
+            kw64[k].requires_grad_(True)
+    leaves = [*a64[:4], kw64["w13_bias"], kw64["w2_bias"]]
+    out = dense_oracle(*a64, **kw64)
+    present = [t for t in leaves if t is not None]
+    grads = iter(torch.autograd.grad(out, present, go.double()))
+    return [None if t is None else next(grads) for t in leaves]
+
+
+def _check_backward(args, kw, dtype, z=None, seed=0):
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+
+    go = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    got = dispatch_backward_triton(go, *args, z=z, **_compute_kw(kw))
+    has_bias = kw["w13_bias"] is not None or kw["w2_bias"] is not None
+    assert len(got) == (6 if has_bias else 4)
+    got = list(got) + [None] * (6 - len(got))
+    ref = _grads_oracle(args, kw, go)
+    tol = 2e-5 if dtype == torch.float32 else 6e-3
+    names = ["hidden", "w13", "w2", "topk_weights", "w13_bias", "w2_bias"]
+    leaves = [*args[:4], kw["w13_bias"], kw["w2_bias"]]
+    for name, t, a, r in zip(names, leaves, got, ref):
+        if t is None:
+            assert a is None, name
+            continue
+        assert a.shape == t.shape and a.dtype == t.dtype, name
+        if name in ("w13", "w2"):
+            assert a.stride() == t.stride(), (name, a.stride(), t.stride())
+        if r.norm() == 0:
+            assert torch.equal(a, torch.zeros_like(a)), name
+        else:
+            assert rel_err(a, r) <= tol, (name, rel_err(a, r))
+
+
+@pytest.mark.parametrize("saved_z", [False, True])
+@pytest.mark.parametrize("name", VARIANT_IDS)
+def test_triton_backward_variants(interpreter, name, saved_z):
+    """All six gradients of every variant against float64 autograd through the dense oracle;
+    z recomputed, or saved by the Triton training forward."""
+    from moe_ops.launch.dispatch import dispatch_triton
+
+    args, kw = _inputs(name, T=7, H=9, I=5, E=4, K=2, routing="negative", seed=9)
+    z = dispatch_triton(*args, save_z=True, **_compute_kw(kw))[1] if saved_z else None
+    _check_backward(args, kw, torch.float32, z=z, seed=10)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "weights_on_input", "gelu"])
+def test_triton_backward_float16_aligned(interpreter, name):
+    """float16 with 16-byte aligned rows (the descriptor paths of the row GEMMs and the
+    persistent weight-gradient kernel), every slot on one expert, and T = 0."""
+    args, kw = _inputs(name, T=12, H=16, I=8, E=3, K=2, dtype=torch.float16, seed=11)
+    _check_backward(args, kw, torch.float16, seed=12)
+    args, kw = _inputs(name, T=6, H=9, I=5, E=3, K=1, routing="one_expert", seed=13)
+    _check_backward(args, kw, torch.float32, seed=14)
+    args, kw = _inputs(name, T=0, H=9, I=5, E=3, K=2, seed=15)
+    _check_backward(args, kw, torch.float32, seed=16)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "weights_on_input"])
+def test_op_autograd_interpreted(interpreter, name):
+    """moe_ops.dispatch under autograd on the interpreted kernels (saved z): .grad of every
+    input, weight gradients with the transposed weights' strides."""
+    args, kw = _inputs(name, T=5, H=9, I=5, E=4, K=2, seed=17, requires_grad=True)
+    go = torch.randn(5, 9, generator=torch.Generator().manual_seed(18))
+    moe_ops.dispatch(*args, **kw).backward(go)
+    ref = _grads_oracle(args, kw, go)
+    for t, r in zip([*args[:4], kw["w13_bias"], kw["w2_bias"]], ref):
+        assert t.grad is not None and t.grad.stride() == t.stride()
+        assert rel_err(t.grad, r) <= 2e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile: one frame for every T with the variant arguments (CPU, reference kernels)
+
+def test_fullgraph_one_frame_for_every_T(reference_path):
+    """moe_ops.dispatch with biases, swiglu_oai, interleaved rows and transposed weights, routed
+    by moe_ops.route inside the compiled function: one frame (fullgraph) for T = 1, 0, 3, 11,
+    forward and the bias gradient."""
+    from torch._dynamo.decorators import mark_unbacked
+
+    torch._dynamo.reset()
+    (_, w13, w2, _, _), kw = _inputs("gpt_oss", T=2)
+    b13, b2 = kw.pop("w13_bias"), kw.pop("w2_bias")
+    b13.requires_grad_(True)
+    router = torch.randn(9, 4, generator=torch.Generator().manual_seed(0))
+
+    def f(h, w13, w2, b13, b2):
+        w, ids = moe_ops.route(h @ router, 2)
+        return moe_ops.dispatch(h, w13, w2, w, ids, w13_bias=b13, w2_bias=b2, **kw), w, ids
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    for i, T in enumerate([1, 0, 3, 11]):
+        h = torch.randn(T, 9, generator=torch.Generator().manual_seed(T))
+        if i == 0:
+            mark_unbacked(h, 0)
+        with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            out, w, ids = compiled(h, w13, w2, b13, b2)
+        full = dict(kw, w13_bias=b13, w2_bias=b2)
+        if T:
+            assert rel_err(out, _oracle64((h, w13, w2, w, ids), full)) <= 1e-5
+        b13.grad = None
+        out.sum().backward()
+        g_ref, = torch.autograd.grad(dense_oracle(h, w13, w2, w, ids, **full).sum(), b13)
+        assert torch.allclose(b13.grad, g_ref, atol=1e-5)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "swiglu_oai"])
+def test_transposed_w13_takes_the_storage_descriptor(interpreter, monkeypatch, name):
+    """A transposed w13 (gpt-oss's [E, H, 2I] storage) with 16-byte aligned rows is read
+    through a descriptor over its storage (TMA_TRANS; interleaved or gate-first columns), not
+    by pointer loads, and gives the reference's answer."""
+    import moe_ops.launch.dispatch as ld
+    from conftest import spy_kernel_launches
+
+    seen = []
+    spy_kernel_launches(monkeypatch, ld, lambda k, g, a, kw: seen.append(
+        (k.fn.__name__, kw.get("TMA_TRANS", False), kw.get("INTERLEAVED", False))))
+    args, kw = _inputs(name, T=7, H=16, I=8, E=5, K=2, seed=19)
+    _triton_forward_check(args, kw, _configs()["tma"], torch.float32)
+    interleaved = kw.get("gate_up_interleaved", False)
+    assert ("gate_up_kernel", True, interleaved) in seen, seen

@@ -50,7 +50,8 @@ def hooks(monkeypatch):
     runtime = SimpleNamespace(launch_enter_hook=None, launch_exit_hook="exit-hook")
     monkeypatch.setattr(fast, "current_device", lambda: 0)
     monkeypatch.setattr(fast, "current_stream", lambda device: 77)
-    monkeypatch.setattr(fast, "_knobs", lambda: SimpleNamespace(runtime=runtime))
+    monkeypatch.setattr(fast, "launch_hooks",
+                        lambda: (runtime.launch_enter_hook, runtime.launch_exit_hook))
     monkeypatch.delenv("MOE_OPS_VERIFY_LAUNCH", raising=False)
     return runtime
 
@@ -119,29 +120,10 @@ def test_missing_argument_is_a_type_error(hooks):
 def test_kernel_for_uses_fast_launch_only_with_a_key_on_cuda(monkeypatch):
     import torch
 
-    from moe_ops._runtime import kernel_for
+    from moe_ops.launch._common import kernel_for
     k = _Kernel()
     cuda = torch.device("cuda")
     assert kernel_for(k, cuda) is k
     assert isinstance(kernel_for(k, cuda, "key"), fast.FastLaunch)
     monkeypatch.setenv("MOE_OPS_FAST_LAUNCH", "0")
     assert kernel_for(k, cuda, "key") is k
-
-
-def test_weight_desc_without_revalidation_matches_the_constructor():
-    """weight_desc builds later descriptors of a block shape by copying a validated one's
-    fields: they must equal what TensorDescriptor's own constructor gives."""
-    import torch
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from moe_ops.launch.dispatch import weight_desc
-    for w in (torch.empty(4, 64, 32, dtype=torch.float16), torch.empty(2, 128, 48)):
-        for block in ([1, 16, 32], [1, 32, 16]):
-            for _ in range(2):
-                d = weight_desc(w, block)
-                ref = TensorDescriptor(w, list(w.shape), list(w.stride()), list(block))
-                assert type(d) is TensorDescriptor and vars(d) == vars(ref)
-    # misaligned rows: no descriptor; a zero-size dimension still raises as the constructor does
-    assert weight_desc(torch.empty(2, 8, 7, dtype=torch.float16), [1, 8, 8]) is None
-    with pytest.raises(AssertionError):
-        weight_desc(torch.empty(0, 8, 16, dtype=torch.float16), [1, 16, 32])

@@ -397,7 +397,7 @@ def test_python_api_numpy_scalars():
 
 
 def test_rows_per_program_do_not_change_the_result(interpreter):
-    """route_triton's block_t (rows per program; benchmarks/ab_route.py's variants): the same
+    """route_triton's block_t (rows per program; the measured variants): the same
     ids and, to float32 rounding, the same weights as the launcher's rule, grouped or not."""
     g = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
     for E, K, scoring, has_bias, groups, topk_groups in ((128, 8, "softmax", False, 1, 1),

@@ -25,7 +25,7 @@ def test_next_pow2_matches_triton():
 def test_kernels_stay_compiled_after_interpreter_is_set_later():
     """`import moe_ops` decorates every kernel: a process that sets TRITON_INTERPRET=1 after the
     import (to run CPU tensors through the interpreter) keeps compiled kernels for CUDA tensors.
-    Run in a child process: this test session already imported the kernels."""
+    Run in a child process: this test process already imported the kernels."""
     import os
     import subprocess
     import sys
@@ -115,7 +115,8 @@ except ImportError as exc:
 def test_env_flags_read_as_triton_reads_them(monkeypatch):
     """MOE_OPS_* switches (and TRITON_INTERPRET, for moe_ops' own use) are on for the words
     Triton takes as true and off for "false", "no", "off", "0" and "" (those were once on)."""
-    from moe_ops._runtime import checks_enabled, env_flag, interpret_enabled, recompute_enabled
+    from moe_ops import _env
+    from moe_ops._runtime import checks_enabled, interpret_enabled, recompute_enabled
 
     for value, on in (("1", True), ("true", True), ("YES", True), ("on", True), ("y", True),
                       ("0", False), ("false", False), ("no", False), ("off", False), ("", False),
@@ -126,4 +127,6 @@ def test_env_flags_read_as_triton_reads_them(monkeypatch):
         assert recompute_enabled() == checks_enabled() == interpret_enabled() == on, value
         assert triton.knobs.runtime.interpret == on, value   # Triton agrees
     monkeypatch.delenv("MOE_OPS_FAST_LAUNCH", raising=False)
-    assert env_flag("MOE_OPS_FAST_LAUNCH", True) and not env_flag("MOE_OPS_FAST_LAUNCH")
+    assert _env.fast_launch()   # on by default
+    monkeypatch.setenv("MOE_OPS_FAST_LAUNCH", "0")
+    assert not _env.fast_launch()

@@ -7,11 +7,13 @@ import torch
 from expecttest import TestCase
 
 from moe_ops.tuning import heuristics, tables
-from moe_ops.tuning.heuristics import (DispatchConfig, backward_config, dispatch_config,
-                                       heuristic_config)
+from moe_ops.tuning.configs import DispatchConfig
+from moe_ops.tuning.heuristics import backward_config, dispatch_config, heuristic_config
 
-CFG_A = DispatchConfig(16, 64, 128, 64, 128, 4, 4)
-CFG_B = DispatchConfig(128, 128, 64, 256, 64, 8, 3)
+CFG_A = DispatchConfig(block_m=16, gate_up_block_n=64, gate_up_block_k=128, down_block_n=64,
+                       down_block_k=128, num_warps=4, num_stages=4)
+CFG_B = DispatchConfig(block_m=128, gate_up_block_n=128, gate_up_block_k=64, down_block_n=256,
+                       down_block_k=64, num_warps=8, num_stages=3)
 
 
 def _entry(configs, H=2048, I=768, E=128, K=8, dtype="bfloat16"):
@@ -37,30 +39,29 @@ class TestTableFormat(TestCase):
    "K": 8,
    "configs": {
     "1": {
-     "block_k1": 128,
-     "block_k2": 128,
      "block_m": 16,
-     "block_n1": 64,
-     "block_n2": 64,
-     "combine_last": false,
-     "direct": false,
-     "down_ws": false,
-     "fuse_combine": false,
+     "combine_in_down": false,
+     "dependent_launch": false,
+     "direct_rows": false,
+     "down_block_k": 128,
+     "down_block_n": 64,
+     "down_combine_fused": false,
+     "gate_up_block_k": 128,
+     "gate_up_block_n": 64,
      "group_m": 8,
-     "half_tail": false,
+     "half_height_tails": false,
      "num_stages": 4,
      "num_warps": 4,
-     "pdl": false,
-     "tma": false,
-     "tma_a": false,
-     "tma_pair": false
+     "tma_down_activations": false,
+     "tma_gate_up_pair": false,
+     "tma_weights": false
     }
    },
    "dtype": "bfloat16"
   }
  ],
  "triton": "3.6.0",
- "version": 1
+ "version": 2
 }
 """)
 
@@ -119,14 +120,14 @@ def test_bad_tables_are_rejected(tmp_path):
     bad = _entry({1: CFG_A})
     bad["configs"]["1"]["block_q"] = 3
     with pytest.raises(ValueError, match="unknown DispatchConfig fields"):
-        tables.validate_table({"version": 1, "entries": [bad]})
+        tables.validate_table({"version": 2, "entries": [bad]})
 
 
 @pytest.mark.parametrize("text", [
-    '{"version": 1, "entries": [',                                          # truncated write
+    '{"version": 2, "entries": [',                                          # truncated write
     '[]',                                                                     # not an object
-    '{"version": 1, "entries": [{"H": 1}]}',                                  # entry lacks keys
-    '{"version": 1, "entries": [{"H": 2048, "I": 768, "E": 128, "K": 8, "dtype": "bfloat16", '
+    '{"version": 2, "entries": [{"H": 1}]}',                                  # entry lacks keys
+    '{"version": 2, "entries": [{"H": 2048, "I": 768, "E": 128, "K": 8, "dtype": "bfloat16", '
     '"configs": {"64": {"block_m": 16}}}]}',                                  # config lacks fields
 ])
 def test_broken_table_error_names_the_file(tmp_path, text):
@@ -136,7 +137,7 @@ def test_broken_table_error_names_the_file(tmp_path, text):
     tables._load.cache_clear()
     path = tables.table_path("Broken GPU", tmp_path)
     path.write_text(text)
-    with pytest.raises(ValueError, match="Broken_GPU.json.*python -m moe_ops.tune"):
+    with pytest.raises(ValueError, match="Broken_GPU.json.*moe-ops-tune"):
         tables.lookup(64, 128, 8, 2048, 768, torch.bfloat16, "Broken GPU", tmp_path)
     tables._load.cache_clear()
 
@@ -144,10 +145,10 @@ def test_broken_table_error_names_the_file(tmp_path, text):
 def test_tune_refuses_a_broken_table_before_measuring(tmp_path, capsys):
     """The CLI merges into the existing table: a broken one is reported up front (it failed the
     write at the end, after every candidate had been timed)."""
-    from moe_ops import tune
+    from moe_ops.tools import tune
 
     tables._load.cache_clear()
-    tables.table_path("cpu-interpreter", tmp_path).write_text('{"version": 1, "entries": [')
+    tables.table_path("cpu-interpreter", tmp_path).write_text('{"version": 2, "entries": [')
     with pytest.raises(SystemExit) as e:
         tune.main(["--shape", "8,6,4,2", "--tokens", "1", "--device", "cpu", "--out-dir",
                    str(tmp_path)])
@@ -187,55 +188,17 @@ def test_dispatch_config_prefers_the_table_on_cuda(tmp_path, monkeypatch):
         heuristic_config(64, 64, 8, 2048, 768, "cuda", torch.bfloat16)
 
 
-def test_warp_specialised_kernels_are_opt_in(monkeypatch, tmp_path):
-    """The heuristics and tuned tables choose the warp-specialised kernels only with
-    MOE_OPS_WARP_SPECIALIZE=1 (NOTES.md entries 27-28), which warns once; an explicit config is
-    used as given."""
-    import dataclasses
-
-    shape = (8192, 128, 8, 2048, 768, "cuda", torch.bfloat16)   # Qwen3, 512 rows per expert
-    bf = torch.bfloat16
-
-    def chosen():
-        cfg = heuristic_config(*shape)
-        bc = backward_config(cfg, "cuda", bf, rows_per_expert=512, inter_size=768)
-        return cfg.down_ws, bc.wg_ws, bc.rows_ws
-
-    monkeypatch.delenv("MOE_OPS_WARP_SPECIALIZE", raising=False)
-    assert chosen() == (False, False, False)
-    monkeypatch.setenv("MOE_OPS_WARP_SPECIALIZE", "1")
-    monkeypatch.setattr(heuristics, "_ws_warned", False)
-    with pytest.warns(RuntimeWarning, match="another process uses the same GPU"):
-        assert chosen() == (True, True, True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")   # once per process
-        assert chosen() == (True, True, True)
-    # a tuned table's down_ws is dropped while the switch is off
-    ws_cfg = dataclasses.replace(heuristic_config(*shape), down_ws=True)
-    monkeypatch.setattr(heuristics, "_device_name", lambda: "Fake GPU")
-    monkeypatch.setenv("MOE_OPS_TUNING_DIR", str(tmp_path))
-    monkeypatch.setattr(tables, "lookup", lambda *a: ws_cfg)
-    heuristics.clear_config_cache()
-    try:
-        assert dispatch_config(*shape).down_ws
-        monkeypatch.setenv("MOE_OPS_WARP_SPECIALIZE", "0")
-        heuristics.clear_config_cache()
-        assert dispatch_config(*shape) == dataclasses.replace(ws_cfg, down_ws=False)
-    finally:
-        heuristics.clear_config_cache()
-
-
 def test_heuristic_block_m_follows_rows_per_expert():
     ms = [heuristic_config(T, 128, 8, 2048, 768, "cuda", torch.bfloat16).block_m
           for T in (1, 128, 256, 512, 1024, 8192)]
     # rows per expert 0.06, 8, 16, 32, 64, 512: the smallest block >= mean + 2 sd, at most 128
     assert ms == [16, 16, 32, 64, 128, 128]
     f32 = heuristic_config(8192, 128, 8, 2048, 768, "cuda", torch.float32)
-    assert f32.block_k1 == f32.block_k2 == 32
+    assert f32.gate_up_block_k == f32.down_block_k == 32
 
 
 def test_heuristic_path_switches():
-    """Where the heuristic turns on the paths measured in benchmarks/NOTES.md entries 16-17."""
+    """Where the heuristic turns on the measured paths (docs/design.md, forward GEMMs)."""
     bf, f32 = torch.bfloat16, torch.float32
     mixtral, qwen3, deepseek = (4096, 14336, 8, 2), (2048, 768, 128, 8), (7168, 2048, 256, 8)
 
@@ -246,94 +209,100 @@ def test_heuristic_path_switches():
     for T in (1, 8, 512, 8192):
         for shape in (mixtral, qwen3, deepseek):
             c = cfg(T, shape)
-            assert c.tma and c.pdl and c.direct == (T == 1), (T, shape, c)
-            assert not cfg(T, shape, f32).tma   # float32 TMA tiles never measured
-            assert cfg(T, shape, f32).direct == (T == 1)
+            assert c.tma_weights and c.dependent_launch and c.direct_rows == (T == 1), (T, shape, c)
+            assert not cfg(T, shape, f32).tma_weights   # float32 TMA tiles never measured
+            assert cfg(T, shape, f32).direct_rows == (T == 1)
     # direct rows for a few tokens over many experts (T * K <= 32, E >= 64; 16-bit only)
     for T, shape, want in ((2, qwen3, True), (4, qwen3, True), (4, deepseek, True),
                            (5, qwen3, False), (2, mixtral, False), (16, mixtral, False)):
         c = cfg(T, shape)
-        assert c.direct == want and not c.fuse_combine, (T, shape, c)
-        assert not cfg(T, shape, f32).direct
+        assert c.direct_rows == want and not c.down_combine_fused, (T, shape, c)
+        assert not cfg(T, shape, f32).direct_rows
     # the folded combine only where cdiv(H, 32) >= 1.5 programs per SM (DeepSeek-V3's H)
-    assert cfg(1, deepseek).fuse_combine and cfg(1, deepseek).block_n2 == 32
-    assert not cfg(1, qwen3).fuse_combine and not cfg(1, mixtral).fuse_combine
-    assert not cfg(8, deepseek).fuse_combine
+    assert cfg(1, deepseek).down_combine_fused and cfg(1, deepseek).down_block_n == 32
+    assert not cfg(1, qwen3).down_combine_fused and not cfg(1, mixtral).down_combine_fused
+    assert not cfg(8, deepseek).down_combine_fused
     # elsewhere at T == 1 the down kernel's last program does the combine
-    assert cfg(1, qwen3).combine_last and cfg(1, mixtral).combine_last
+    assert cfg(1, qwen3).combine_in_down and cfg(1, mixtral).combine_in_down
     # a 5th stage for the long weight streams of one token on Mixtral (I = 14336) alone
     assert cfg(1, mixtral).num_stages == 5 and cfg(8, mixtral).num_stages == 4
     assert cfg(1, qwen3).num_stages == 4 and cfg(1, deepseek).num_stages == 4
     assert cfg(1, mixtral, f32).num_stages == 3
-    assert cfg(1, qwen3, f32).combine_last
-    assert not cfg(1, deepseek).combine_last and not cfg(8, qwen3).combine_last
+    assert cfg(1, qwen3, f32).combine_in_down
+    assert not cfg(1, deepseek).combine_in_down and not cfg(8, qwen3).combine_in_down
     # 4 stages at BLOCK_M 128 up to T=4096, 3 above; 256-wide down tiles at BLOCK_M 128 in
-    # 16-bit (entry 18), on long I or wide H with >= 256 rows per expert in float32
+    # 16-bit, on long I or wide H with >= 256 rows per expert in float32
     assert cfg(2048, mixtral).num_stages == 4 and cfg(8192, mixtral).num_stages == 3
-    assert cfg(8192, deepseek).block_n2 == 256 and cfg(2048, deepseek).block_n2 == 256
-    assert cfg(8192, qwen3).block_n2 == 256 and cfg(512, mixtral).block_n2 == 256
-    assert cfg(8192, qwen3, f32).block_n2 == 128 and cfg(512, qwen3).block_n2 == 128
+    assert cfg(8192, deepseek).down_block_n == 256 and cfg(2048, deepseek).down_block_n == 256
+    assert cfg(8192, qwen3).down_block_n == 256 and cfg(512, mixtral).down_block_n == 256
+    assert cfg(8192, qwen3, f32).down_block_n == 128 and cfg(512, qwen3).down_block_n == 128
     # gate and up tiles in one TMA copy at BLOCK_M 128 (16-bit only: float32 has no TMA)
-    assert cfg(2048, qwen3).tma_pair and cfg(8192, mixtral).tma_pair
-    assert not cfg(512, qwen3).tma_pair and not cfg(8192, qwen3, f32).tma_pair
-    # half-height tail tiles wherever the row block is 128 (entry 18), never below
-    assert cfg(2048, qwen3).half_tail and cfg(8192, deepseek).half_tail
-    assert not cfg(512, qwen3).half_tail and not cfg(1, qwen3).half_tail
+    assert cfg(2048, qwen3).tma_gate_up_pair and cfg(8192, mixtral).tma_gate_up_pair
+    assert not cfg(512, qwen3).tma_gate_up_pair and not cfg(8192, qwen3, f32).tma_gate_up_pair
+    # half-height tail tiles wherever the row block is 128, never below
+    assert cfg(2048, qwen3).half_height_tails and cfg(8192, deepseek).half_height_tails
+    assert not cfg(512, qwen3).half_height_tails and not cfg(1, qwen3).half_height_tails
     # 32-wide, 256-deep gate+up steps at BLOCK_M 16 with several tokens on >= 64 experts
-    # (entry 21); not at T == 1, not on Mixtral's 8 experts, not in float32
+    #; not at T == 1, not on Mixtral's 8 experts, not in float32
     for T, shape in ((8, qwen3), (32, qwen3), (8, deepseek), (128, deepseek)):
         c = cfg(T, shape)
-        assert (c.block_m, c.block_n1, c.block_k1, c.num_stages) == (16, 32, 256, 3), (T, c)
+        assert (c.block_m, c.gate_up_block_n, c.gate_up_block_k, c.num_stages) == (16, 32, 256, 3), (T, c)
     for c in (cfg(1, qwen3), cfg(8, mixtral), cfg(8, qwen3, f32)):
-        assert (c.block_n1, c.block_k1) != (32, 256), c
-    # the down GEMM's act tiles by TMA at BLOCK_M 128 only (entry 30: slower at <= 64); the
+        assert (c.gate_up_block_n, c.gate_up_block_k) != (32, 256), c
+    # the down GEMM's act tiles by TMA at BLOCK_M 128 only (H200: slower at <= 64); the
     # backward's dA/dx A tiles where I <= 1024, 16-bit
-    assert cfg(2048, qwen3).tma_a and cfg(8192, mixtral).tma_a and cfg(2048, deepseek).tma_a
-    assert not (cfg(512, qwen3).tma_a or cfg(8, mixtral).tma_a or cfg(1, qwen3).tma_a
-                or cfg(8192, qwen3, f32).tma_a)
+    assert cfg(2048, qwen3).tma_down_activations and cfg(8192, mixtral).tma_down_activations and cfg(2048, deepseek).tma_down_activations
+    assert not (cfg(512, qwen3).tma_down_activations or cfg(8, mixtral).tma_down_activations or cfg(1, qwen3).tma_down_activations
+                or cfg(8192, qwen3, f32).tma_down_activations)
     back = {name: backward_config(cfg(8192, s), "cuda", bf, rows_per_expert=8192 * s[3] / s[2],
                                   inter_size=s[1])
             for name, s in (("qwen3", qwen3), ("mixtral", mixtral), ("deepseek", deepseek))}
-    assert back["qwen3"].tma_a and not back["mixtral"].tma_a and not back["deepseek"].tma_a
-    # the persistent weight gradients at every size since entry 32 (Mixtral: 2048 rows per
+    assert back["qwen3"].activation_grad_gemm.tma_activations
+    assert back["qwen3"].input_grad_gemm.tma_activations
+    assert not back["mixtral"].activation_grad_gemm.tma_activations
+    assert not back["deepseek"].input_grad_gemm.tma_activations
+    # the persistent weight gradients at every size (Mixtral: 2048 rows per
     # expert), and for an unknown size
-    assert all(b.wg_persistent and b.wg_stages == 3 and b.wg_chunk == 32 for b in back.values())
-    assert backward_config(cfg(8192, qwen3), "cuda", bf).wg_persistent
-    assert not backward_config(cfg(8192, qwen3, f32), "cuda", f32, 512.0, 768).wg_persistent
-    assert not backward_config(cfg(8192, qwen3, f32), "cuda", f32, 512.0, 768).tma_a
+    assert all(b.weight_grad.persistent and b.weight_grad.persistent_num_stages == 3
+               and b.weight_grad.persistent_chunk == 32 for b in back.values())
+    assert backward_config(cfg(8192, qwen3), "cuda", bf).weight_grad.persistent
+    assert not backward_config(cfg(8192, qwen3, f32), "cuda", f32, 512.0, 768).weight_grad.persistent
+    assert not backward_config(cfg(8192, qwen3, f32), "cuda", f32, 512.0,
+                               768).activation_grad_gemm.tma_activations
     # interpreter configs never use the GPU-only paths
     cpu = heuristic_config(1, 8, 2, 64, 32, "cpu", f32)
-    assert not (cpu.tma or cpu.tma_a or cpu.pdl or cpu.fuse_combine)
+    assert not (cpu.tma_weights or cpu.tma_down_activations or cpu.dependent_launch or cpu.down_combine_fused)
 
 
 def test_pdl_launch_options_only_on_sm90(monkeypatch):
-    import moe_ops.launch.dispatch as launch
+    import moe_ops.launch._common as launch
 
-    assert launch._pdl_args(True, torch.device("cpu")) == {}
-    assert launch._pdl_args(False, torch.device("cuda", 0)) == {}
-    launch._sm90.cache_clear()
+    assert launch.pdl_args(True, torch.device("cpu")) == {}
+    assert launch.pdl_args(False, torch.device("cuda", 0)) == {}
+    launch.sm90.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
-    assert launch._pdl_args(True, torch.device("cuda", 0)) == {}
-    launch._sm90.cache_clear()
+    assert launch.pdl_args(True, torch.device("cuda", 0)) == {}
+    launch.sm90.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    assert launch._pdl_args(True, torch.device("cuda", 0)) == {"USE_PDL": True,
-                                                                 "launch_pdl": True}
-    launch._sm90.cache_clear()
+    assert launch.pdl_args(True, torch.device("cuda", 0)) == {"USE_PDL": True,
+                                                                "launch_pdl": True}
+    launch.sm90.cache_clear()
 
 
 @pytest.mark.parametrize("T", [4, 200, 50000])   # one-launch scan; count + place; + column scan
 @pytest.mark.parametrize("pdl", [True, False])
 def test_alignment_launch_options_follow_the_forward(T, pdl):
     """moe.dispatch's forward launches its alignment kernels with programmatic dependent launch
-    when its config has pdl (they wait for the ids' producer, then let the gate+up kernel
+    when its config has dependent_launch (they wait for the ids' producer, then let the gate+up kernel
     launch), and without it otherwise; the backward's own alignment never uses it. Launches
-    captured on CPU tensors with the Hopper options on (moe_ops.compile_check.capture)."""
+    captured on CPU tensors with the Hopper options on (moe_ops.tools.compile_check.capture)."""
     import dataclasses
 
-    from moe_ops.compile_check import forward_launches
+    from moe_ops.tools.compile_check import forward_launches
 
     H, I, E, K = 64, 32, 16, 4
-    cfg = dataclasses.replace(heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16), pdl=pdl)
+    cfg = dataclasses.replace(heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16),
+                              dependent_launch=pdl)
     launches = forward_launches((H, I, E, K), T, cfg, torch.bfloat16, backward=True)
     names = [ln.name for ln in launches]
     align = {"scan_kernel", "count_kernel", "place_kernel", "column_scan_kernel",
@@ -353,22 +322,22 @@ def test_alignment_launch_options_follow_the_forward(T, pdl):
 
 def test_no_tma_descriptors_before_sm90(monkeypatch):
     """Before Hopper the TMA setting falls back to pointer loads (no descriptor is made)."""
-    import moe_ops.launch.dispatch as launch
+    import moe_ops.launch._common as launch
 
     class FakeCudaTensor:
         is_cuda = True
         device = torch.device("cuda", 0)
 
-    launch._sm90.cache_clear()
+    launch.sm90.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
     assert launch.weight_desc(FakeCudaTensor(), [1, 16, 16]) is None
-    launch._sm90.cache_clear()
+    launch.sm90.cache_clear()
     w = torch.zeros(2, 32, 32)   # CPU (interpreter): descriptors are made
     assert launch.weight_desc(w, [1, 16, 16]) is not None
 
 
 def test_tune_cli_smoke_through_interpreter(interpreter, tmp_path, capsys):
-    from moe_ops import tune
+    from moe_ops.tools import tune
 
     tune.main(["--shape", "24,20,4,2", "--tokens", "1", "9", "--device", "cpu", "--dtype",
                "float32", "--out-dir", str(tmp_path)])
@@ -388,15 +357,15 @@ def test_neighbours_distinct_and_valid(T, dtype):
         assert next(iter(cands.values())) == base
         assert len(set(cands.values())) == len(cands) >= 5
         for cfg in cands.values():
-            for v in (cfg.block_m, cfg.block_n1, cfg.block_k1, cfg.block_n2, cfg.block_k2):
+            for v in (cfg.block_m, cfg.gate_up_block_n, cfg.gate_up_block_k, cfg.down_block_n, cfg.down_block_k):
                 assert v >= 16 and v & (v - 1) == 0, cfg
             assert cfg.block_m <= 128 and cfg.num_warps in (4, 8)
             if dtype == torch.float32:   # shared memory: 32-deep steps, <= 3 stages
-                assert cfg.block_k1 <= 32 and cfg.block_k2 <= 32 and cfg.num_stages <= 3, cfg
+                assert cfg.gate_up_block_k <= 32 and cfg.down_block_k <= 32 and cfg.num_stages <= 3, cfg
 
 
 def test_tune_quick_uses_neighbours():
-    from moe_ops import tune
+    from moe_ops.tools import tune
     from moe_ops.tuning.heuristics import neighbours
 
     base = heuristic_config(512, 8, 2, 4096, 14336, "cuda", torch.bfloat16)

@@ -9,11 +9,11 @@ sentinels (program 0 also the padded row count and the expert ends, padded and v
 two-launch form every place program reads the whole [P, E] histogram (from L2), which bounds
 P; for large T*K a column scan between them (column_scan_kernel: one program per expert, the
 offsets of every program within that expert) lets place read only its own offsets, so there
-are more programs of about one chunk each (benchmarks/NOTES.md, entry 51). Ranks come from a
+are more programs of about one chunk each (docs/design.md). Ranks come from a
 one-hot cumulative sum or a triangular compare, so the order within an expert is the slot
 order and the result is the same on every run. Layout: moe_ops/reference/alignment.py. (A
 one-program scan between count and scatter, with the sentinels in a BLOCK_M-step loop, took
-26-59 us at T = 2048-8192: NOTES.md, entry 18.)"""
+26-59 us at T = 2048-8192: docs/design.md.)"""
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -70,7 +70,7 @@ def scan_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, expert_ends
     Each program derives the expert ranges from all the ids (a few dozen) and writes one group
     of BLOCK_B blocks of the block table and their padding sentinels; program 0 also scatters
     the slots and writes the ranges (one program walking every group took 7.5 us at Qwen3
-    T=8: NOTES.md, entry 20)."""
+    T=8: H200)."""
     pid = tl.program_id(0)
     pdl_start(USE_PDL)
     experts = tl.arange(0, BLOCK_E)

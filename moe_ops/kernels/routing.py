@@ -82,7 +82,7 @@ def route_kernel(
     # available ones is never NaN, and when it is -inf the available -inf experts match. Among
     # equal scores the lowest index wins; the ids of a row are always distinct and in range.
     # Three row reductions per pick (a fourth, for a first-free fallback, cost ~60% of the
-    # kernel's time at T >= 512: benchmarks/RESULTS.md, seventeenth session).
+    # kernel's time at T >= 512: docs/performance.md).
     avail = tl.broadcast_to(col_mask[None, :], (BLOCK_T, BLOCK_E))
     for j in range(top_k):
         m = tl.max(tl.where(avail, sel, float("-inf")), axis=1)

@@ -1,7 +1,7 @@
 """Launching an already compiled Triton kernel without Triton's per-call argument binding.
 
 A Triton 3.6 launch costs ~33 us of host time on the H200 host for our ~40-parameter GEMM
-kernels (benchmarks/NOTES.md, entry 22): the JIT binds every argument, computes its
+kernels (docs/design.md, host overhead): the JIT binds every argument, computes its
 specialisation (dtype, 16-byte alignment, value 1) and a cache key, then launches. An eager
 decode step launches 3-5 of them per MoE layer, several times the GPU work. Here a launch site
 passes a `key` that determines that specialisation (the launchers build it from the shapes,
@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import inspect
 
-from moe_ops._runtime import env_flag
+from moe_ops import _env
+from moe_ops._compat import current_device, current_stream, jit_pick, launch_hooks, run_compiled
 
 _EMPTY = inspect.Parameter.empty
-
-
-def verify_enabled() -> bool:
-    return env_flag("MOE_OPS_VERIFY_LAUNCH")
 
 
 class _Site:
@@ -85,8 +82,8 @@ class FastLaunch:
                     site.compiled.clear()
                 site.compiled[key] = ck
             return
-        if verify_enabled():
-            jit = site.kernel.run(*args, grid=grid, warmup=True, **kwargs)
+        if _env.verify_launch():
+            jit = jit_pick(site.kernel, grid, args, kwargs)
             if jit is not ck:
                 raise RuntimeError(
                     f"moe_ops fast launch of {site.kernel.fn.__name__}: key {self.key!r} maps to a "
@@ -94,36 +91,11 @@ class FastLaunch:
                     "misses something the specialisation depends on)")
         site.fast_launches += 1
         values = site.values(args, kwargs)
-        stream = current_stream(device)
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        hooks = _knobs().runtime
-        enter = hooks.launch_enter_hook
-        meta = None if enter is None else ck.launch_metadata(grid, stream, *values)
-        ck.run(grid[0], g1, g2, stream, ck.function, ck.packed_metadata, meta, enter,
-               hooks.launch_exit_hook, *values)
+        enter, exit_hook = launch_hooks()
+        run_compiled(ck, grid, current_stream(device), values, enter, exit_hook)
 
 
 MAX_KEYS = 4096   # compiled kernels remembered per kernel (then forgotten, all at once)
-
-
-def current_device():
-    """The device Triton's JIT launches on (the current CUDA device)."""
-    from triton.runtime import driver
-
-    return driver.active.get_current_device()
-
-
-def current_stream(device):
-    from triton.runtime import driver
-
-    return driver.active.get_current_stream(device)
-
-
-def _knobs():
-    from triton import knobs
-
-    return knobs
 
 
 def tensor_key(t) -> tuple:
@@ -139,9 +111,3 @@ def launch_key(base, *tensors):
     if base is None:
         return None
     return base, tuple(t.data_ptr() % 16 for t in tensors if t is not None)
-
-
-def stats() -> dict:
-    """{kernel name: (launches through Triton's JIT, fast launches, keys held)} so far."""
-    return {site.kernel.fn.__name__: (site.jit_launches, site.fast_launches, len(site.compiled))
-            for site in _sites.values()}

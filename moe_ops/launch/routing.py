@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import torch
 
-from moe_ops._runtime import cdiv, kernel_for, next_pow2
+from moe_ops._runtime import cdiv, next_pow2
 from moe_ops.kernels.routing import route_kernel
+from moe_ops.launch._common import kernel_for
 from moe_ops.launch.fast import launch_key, tensor_key
 
 
 def route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups, topk_groups, scale,
                  out=None, block_t=None):
     """`out` (internal, for tests that poison outputs): (weights, ids) buffers to fill.
-    `block_t` (internal, for benchmarks/ab_route.py): rows per program instead of the rule
+    `block_t` (internal, for tests and measurements): rows per program instead of the rule
     below (a power of two)."""
     T, E = router_logits.shape
     dev = router_logits.device
@@ -25,7 +26,7 @@ def route_triton(router_logits, top_k, scoring, renormalize, bias, num_groups, t
     # Rows per program: one-warp programs of at most 256 scores (no cross-warp barriers in the
     # chain of row reductions the top-k picks make), one row each up to 512 tokens, then more
     # rows as T grows (one per 512 tokens, at most 16). Measured on the H200 in CUDA-graph
-    # replay (benchmarks/ab_route.py, RESULTS.md eighteenth session): the old rule of up to 64
+    # replay: the old rule of up to 64
     # rows on 4 warps at T > 128 took 14.5 us at Qwen3 T=512 where one row takes 7.6, 60.8 at
     # T=32768 where it takes 40.3; OLMoE T=8192 best at 4 rows (10.8 vs 13.0 at one), Mixtral
     # T=32768 at 16 (7.2 vs 25.3 at one).

@@ -5,15 +5,13 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-_lib = torch.library.Library("moe", "FRAGMENT")
+from moe_ops._compat import forward_ad_level, functorch_active, has_schema
+
+LIB = torch.library.Library("moe", "FRAGMENT")
 
 
 def op_defined(name: str) -> bool:
-    try:
-        torch._C._dispatch_find_schema_or_throw(f"moe::{name}", "")
-        return True
-    except RuntimeError:
-        return False
+    return has_schema(f"moe::{name}")
 
 
 def define(schema: str, tags=()) -> str:
@@ -21,7 +19,7 @@ def define(schema: str, tags=()) -> str:
     qualified name."""
     name = schema.split("(", 1)[0]
     if not op_defined(name):
-        _lib.define(schema, tags=tags)
+        LIB.define(schema, tags=tags)
     return f"moe::{name}"
 
 
@@ -30,7 +28,7 @@ def reject_forward_ad(op: str, *tensors) -> None:
     uses) is not implemented by the ops: raise rather than return an output without a tangent,
     which forward AD reads as a zero derivative. Costs a global read per call outside a
     `dual_level` (torch.func.jvp raises on its own: the Functions have no setup_context)."""
-    if _forward_ad._current_level < 0:
+    if forward_ad_level() < 0:
         return
     for t in tensors:
         if _forward_ad.unpack_dual(t).tangent is not None:
@@ -46,7 +44,7 @@ def reject_functorch(op: str) -> None:
     (their forward saves an intermediate, moe.dispatch's z): say so in the op's terms instead
     of torch's "must override the setup_context staticmethod". Called only when a gradient is
     needed (vmap alone runs the op through torch's batching fallback)."""
-    if torch._C._are_functorch_transforms_active():
+    if functorch_active():
         raise NotImplementedError(
             f"{op}: torch.func transforms of its gradient (torch.func.grad, vjp, jacrev, "
             "hessian) are not implemented; use torch.autograd (loss.backward(), "

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from moe_ops._compat import after_autograd, any_requires_grad, below_autograd
 from moe_ops._runtime import on_device, recompute_enabled, use_triton
-from moe_ops.ops._registry import _lib, define, reject_forward_ad, reject_functorch
+from moe_ops.ops._registry import LIB, define, reject_forward_ad, reject_functorch
 from moe_ops.ops.checks import (check_dispatch, check_dispatch_backward, check_ids_in_range,
                                 check_tensor_args, check_variant_types,
                                 check_weight_layout)
@@ -108,8 +109,8 @@ def _backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, v):
             kw.update(w13_bias=_upcast1(b13), w2_bias=_upcast1(b2))
             grads = dispatch_backward_triton(*_upcast(grad_out, hidden, w13, w2, topk_weights),
                                              topk_ids, z=None if z is None else z.float(), **kw)
-            grads = tuple(g.to(t.dtype) for g, t in zip(grads, (hidden, w13, w2, topk_weights,
-                                                                 b13, b2)))
+            grads = tuple(None if g is None else g.to(t.dtype)
+                          for g, t in zip(grads, (hidden, w13, w2, topk_weights, b13, b2)))
             return _six_grads(grads, hidden, v)
         with on_device(hidden):
             return _six_grads(dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights,
@@ -227,7 +228,7 @@ class _DispatchFunction(torch.autograd.Function):
     def forward(ctx, hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, keyset, v):
         v = dict(v, w13_bias=w13_bias, w2_bias=w2_bias)
         args = tuple(v[k] for k in VARIANT_NAMES)
-        with torch._C._AutoDispatchBelowAutograd():
+        with below_autograd():
             if recompute_enabled():
                 out = _DISPATCH_OP.redispatch(keyset, hidden, w13, w2, topk_weights, topk_ids,
                                               *args)
@@ -279,22 +280,22 @@ _DISPATCH_OP = torch.ops.moe.dispatch.default
 
 
 def _dispatch_autograd(keyset, hidden, w13, w2, topk_weights, topk_ids, *args, **kwargs):
-    below = keyset & torch._C._after_autograd_keyset
+    below = after_autograd(keyset)
     v = variant_args(*args, **kwargs)
     b13, b2 = v["w13_bias"], v["w2_bias"]
     grad_inputs = [t for t in (hidden, w13, w2, topk_weights, b13, b2) if t is not None]
     reject_forward_ad("moe.dispatch", *grad_inputs)
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*grad_inputs):
+    if torch.is_grad_enabled() and any_requires_grad(*grad_inputs):
         reject_functorch("moe.dispatch")
         rest = {k: x for k, x in v.items() if k not in ("w13_bias", "w2_bias")}
         return _DispatchFunction.apply(hidden, w13, w2, topk_weights, topk_ids, b13, b2, below,
                                        rest)
-    with torch._C._AutoDispatchBelowAutograd():
+    with below_autograd():
         return _DISPATCH_OP.redispatch(below, hidden, w13, w2, topk_weights, topk_ids,
                                        *(v[k] for k in VARIANT_NAMES))
 
 
-_lib.impl("dispatch", _dispatch_autograd, "Autograd", with_keyset=True)
+LIB.impl("dispatch", _dispatch_autograd, "Autograd", with_keyset=True)
 
 
 def _not_differentiable(op):
@@ -304,13 +305,13 @@ def _not_differentiable(op):
     fails with "does not require grad" instead of going through PyTorch's autograd fallback,
     which only warns)."""
     def kernel(keyset, *args, **kwargs):
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+        with below_autograd():
+            return op.redispatch(after_autograd(keyset), *args, **kwargs)
     return kernel
 
 
 for _name in ("dispatch_train", "dispatch_backward", "dispatch_backward_saved"):
-    _lib.impl(_name, _not_differentiable(getattr(torch.ops.moe, _name).default), "Autograd",
+    LIB.impl(_name, _not_differentiable(getattr(torch.ops.moe, _name).default), "Autograd",
               with_keyset=True)
 
 

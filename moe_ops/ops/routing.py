@@ -5,8 +5,9 @@ import numbers
 
 import torch
 
+from moe_ops._compat import after_autograd, below_autograd
 from moe_ops._runtime import on_device, use_triton
-from moe_ops.ops._registry import _lib, define, reject_forward_ad, reject_functorch
+from moe_ops.ops._registry import LIB, define, reject_forward_ad, reject_functorch
 from moe_ops.ops.checks import check_route, check_tensor_args
 from moe_ops.reference.routing import route_backward_reference, route_reference
 
@@ -57,12 +58,12 @@ class _RouteFunction(torch.autograd.Function):
     """Autograd of moe.route: a gradient to router_logits only (the ids are selections; no
     gradient to the selection bias, the groups or the scale). A Python Autograd kernel like
     moe.dispatch's rather than torch.library.register_autograd, whose generic wrapper cost ~20
-    us of host time per call even without gradients (benchmarks/NOTES.md, entry 22)."""
+    us of host time per call even without gradients (docs/design.md)."""
 
     @staticmethod
     def forward(ctx, router_logits, top_k, scoring, renormalize, bias, num_groups, topk_groups,
                 scale, keyset):
-        with torch._C._AutoDispatchBelowAutograd():
+        with below_autograd():
             weights, ids = _ROUTE_OP.redispatch(keyset, router_logits, top_k, scoring,
                                                 renormalize, bias, num_groups, topk_groups, scale)
         ctx.save_for_backward(router_logits, ids)
@@ -83,18 +84,18 @@ _ROUTE_OP = torch.ops.moe.route.default
 
 def _route_autograd(keyset, router_logits, top_k, scoring="softmax", renormalize=True,
                     bias=None, num_groups=1, topk_groups=1, scale=1.0):
-    below = keyset & torch._C._after_autograd_keyset
+    below = after_autograd(keyset)
     reject_forward_ad("moe.route", router_logits)
     if torch.is_grad_enabled() and router_logits.requires_grad:
         reject_functorch("moe.route")
         return _RouteFunction.apply(router_logits, top_k, scoring, renormalize, bias, num_groups,
                                     topk_groups, scale, below)
-    with torch._C._AutoDispatchBelowAutograd():
+    with below_autograd():
         return _ROUTE_OP.redispatch(below, router_logits, top_k, scoring, renormalize, bias,
                                     num_groups, topk_groups, scale)
 
 
-_lib.impl("route", _route_autograd, "Autograd", with_keyset=True)
+LIB.impl("route", _route_autograd, "Autograd", with_keyset=True)
 
 
 def route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",

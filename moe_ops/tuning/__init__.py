@@ -1,3 +1,11 @@
-from moe_ops.tuning.heuristics import DispatchConfig, dispatch_config
+"""Kernel configurations from shapes: config dataclasses and their constraints (configs),
+heuristics (pure: shape + device -> config) and tuned tables (JSON per device)."""
+from moe_ops.tuning.configs import (ActivationGradConfig, AlignmentConfig, BackwardConfig,
+                                    DispatchConfig, RowGemmConfig, WeightGradConfig,
+                                    config_constraints, reset_config_constraints,
+                                    update_config_constraints)
+from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
-__all__ = ["DispatchConfig", "dispatch_config"]
+__all__ = ["ActivationGradConfig", "AlignmentConfig", "BackwardConfig", "DispatchConfig",
+           "RowGemmConfig", "WeightGradConfig", "backward_config", "config_constraints",
+           "dispatch_config", "reset_config_constraints", "update_config_constraints"]

@@ -1,14 +1,14 @@
-"""Tuned dispatch configurations per device: JSON tables written by `python -m moe_ops.tune`,
+"""Tuned dispatch configurations per device: JSON tables written by `moe-ops-tune`,
 looked up by problem shape with the nearest measured token count; the heuristic in
 `moe_ops.tuning.heuristics` is the fallback when a device or shape has no table.
 
 Where: one file per device, <device name>.json (characters other than letters, digits, "-" and
-"." replaced by underscores). `python -m moe_ops.tune` writes to $MOE_OPS_TUNING_DIR when set,
+"." replaced by underscores). `moe-ops-tune` writes to $MOE_OPS_TUNING_DIR when set,
 else to the user's cache ($XDG_CACHE_HOME or ~/.cache, then moe_ops/tuning), never into the
 installed package. Lookup reads $MOE_OPS_TUNING_DIR alone when it is set; else the user's
 table, then one shipped in the package (moe_ops/tuning/configs; none ships today).
-Format (version 1):
-{"version": 1, "device": "NVIDIA H200", "triton": "3.6.0",
+Format (version 2):
+{"version": 2, "device": "NVIDIA H200", "triton": "3.6.0",
  "entries": [{"H": 2048, "I": 768, "E": 128, "K": 8, "dtype": "bfloat16",
               "configs": {"1": {<DispatchConfig fields>}, "512": {...}}}]}
 """
@@ -23,9 +23,17 @@ from pathlib import Path
 
 import torch
 
-from moe_ops.tuning.heuristics import DispatchConfig, clear_config_cache
+from moe_ops import _env
+from moe_ops.tuning.configs import DispatchConfig
 
-FORMAT_VERSION = 1
+# 2: DispatchConfig's descriptive field names (version-1 tables are refused with a message to
+# re-run moe-ops-tune)
+FORMAT_VERSION = 2
+_generation = 0   # tables written in this process (part of the memoised configs' keys)
+
+
+def generation() -> int:
+    return _generation
 _PACKAGE_DIR = Path(__file__).resolve().parent / "configs"
 
 
@@ -34,7 +42,7 @@ def user_dir() -> Path | None:
     a pip-installed site-packages may be read-only, and pip would not remove the file). None
     when there is no home directory to put it in (then only MOE_OPS_TUNING_DIR and the
     package's tables exist)."""
-    cache = os.environ.get("XDG_CACHE_HOME")
+    cache = _env.xdg_cache_home()
     if not cache:
         try:
             cache = Path.home() / ".cache"
@@ -50,17 +58,17 @@ def _file_name(device_name: str) -> str:
 def table_path(device_name: str, directory: str | os.PathLike | None = None) -> Path:
     """Where the device's table is written: `directory`, else $MOE_OPS_TUNING_DIR, else
     `user_dir()`."""
-    base = directory or os.environ.get("MOE_OPS_TUNING_DIR") or user_dir()
+    base = directory or _env.tuning_dir() or user_dir()
     if base is None:
         raise RuntimeError("no home directory for the tuned tables: set MOE_OPS_TUNING_DIR or "
-                           "pass a directory (python -m moe_ops.tune --out-dir)")
+                           "pass a directory (moe-ops-tune --out-dir)")
     return Path(base) / _file_name(device_name)
 
 
 def find_table(device_name: str, directory: str | os.PathLike | None = None) -> Path | None:
     """The table lookup reads: in `directory` or $MOE_OPS_TUNING_DIR when given (only there),
     else the user's, else the package's; None when there is none."""
-    explicit = directory or os.environ.get("MOE_OPS_TUNING_DIR")
+    explicit = directory or _env.tuning_dir()
     bases = [Path(explicit)] if explicit else [user_dir(), _PACKAGE_DIR]
     for base in filter(None, bases):
         path = base / _file_name(device_name)
@@ -117,7 +125,7 @@ def _load(path: str) -> dict | None:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"moe_ops: the tuned table {p} is not a valid version-{FORMAT_VERSION} "
                          f"table ({type(e).__name__}: {e}); delete it or re-run "
-                         "python -m moe_ops.tune to write a new one") from e
+                         "moe-ops-tune to write a new one") from e
     return table
 
 
@@ -166,6 +174,7 @@ def write_table(device_name: str, entries: list[dict], directory=None, triton_ve
     validate_table(table)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    global _generation
     _load.cache_clear()
-    clear_config_cache()
+    _generation += 1   # memoised configs (heuristics.dispatch_config) look again
     return path

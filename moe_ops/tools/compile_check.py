@@ -1,0 +1,249 @@
+"""Compile moe_ops' kernels for Hopper (sm_90) on any machine, GPU or not.
+
+The launchers run on small CPU tensors with a given config, but every kernel launch is captured
+instead of run (no kernel executes, nothing is read back); each captured launch is then compiled
+with `triton.compile` for `GPUTarget("cuda", 90, 128)`, with the argument specialisation Triton's
+JIT would apply on a GPU (pointers and integers divisible by 16 marked so, integers equal to 1
+made constants) and the launch's own warps and stages. What it catches: code that the
+interpreter runs but the compiler rejects (DispatchConfig.tma_pair did not compile for a whole
+run because only the interpreter had run it), shared memory over the limit, and where the
+tensor-core (wgmma) and async-copy instructions went. It does not prove a kernel correct or fast.
+
+    python -m moe_ops.tools.compile_check [--shapes qwen3_30b_a3b ...] [--tokens 1 2048] [--dtype bfloat16]
+        [--neighbours] [--dump DIR]
+
+needs a Triton whose NVIDIA backend carries ptxas (the PyPI wheels do)."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import inspect
+import os
+import sys
+from typing import Iterator
+
+import torch
+
+from moe_ops.launch._common import SMEM_LIMIT as SHARED_LIMIT   # bytes per program on sm_90
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+           torch.int32: "i32", torch.int64: "i64", torch.bool: "i1", torch.uint8: "u8"}
+
+
+@dataclasses.dataclass
+class Launch:
+    kernel: object          # the @triton.jit function
+    args: tuple
+    kwargs: dict
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+
+@dataclasses.dataclass
+class Compiled:
+    name: str
+    key: str
+    shared: int
+    wgmma: int
+    mma: int
+    cp_async: int
+    tma: int
+    ptx: str
+    warps: int = 0   # warps per program as compiled (a warp-specialised kernel adds its groups)
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[list]:
+    """Inside the block, the launchers record their kernel launches (moe_ops' Hopper paths on:
+    programmatic dependent launch, the fence of the folded combine) instead of running them.
+    The records keep the launches' arguments alive, so under it autograd's AccumulateGrad
+    copies gradients it would otherwise take over: do not time an autograd step inside it."""
+    from moe_ops.launch import alignment, dispatch, dispatch_backward
+
+    launches: list = []
+
+    def kernel_for(kernel, device, key=None):
+        class _Grid:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    if "FENCE" in kwargs:   # the folded combine's fence, compiled code only
+                        kwargs["FENCE"] = True
+                    launches.append(Launch(kernel, args, kwargs))
+                return launch
+        return _Grid()
+
+    def pdl_args(pdl, device):
+        return dict(USE_PDL=True, launch_pdl=True) if pdl else {}
+
+    patches = [(m, "kernel_for", kernel_for) for m in (alignment, dispatch, dispatch_backward)]
+    patches += [(alignment, "pdl_args", pdl_args), (dispatch, "pdl_args", pdl_args)]
+    saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
+    try:
+        for m, name, value in patches:
+            setattr(m, name, value)
+        yield launches
+    finally:
+        for m, name, value in saved:
+            setattr(m, name, value)
+
+
+def _signature(launch: Launch):
+    """(signature, constexprs, attrs, options) of a captured launch, as Triton's JIT on a GPU
+    would specialise it."""
+    from triton.runtime.jit import JITFunction
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    fn = launch.kernel
+    if not isinstance(fn, JITFunction):
+        raise RuntimeError(f"{launch.name} is {type(fn).__name__}, not a JITFunction: its module "
+                           "was first imported with TRITON_INTERPRET=1 set, and Triton keeps it "
+                           "interpreted for the whole process; import moe_ops.launch.* before "
+                           "setting it")
+    params = list(inspect.signature(fn.fn).parameters.values())
+    names = [p.name for p in params]
+    constexpr = {p.name for p in params if "constexpr" in str(p.annotation)}
+    kwargs = dict(launch.kwargs)
+    options = dict(num_warps=kwargs.pop("num_warps", 4), num_stages=kwargs.pop("num_stages", 3))
+    kwargs.pop("launch_pdl", None)
+    bound = dict(zip(names, launch.args))
+    bound.update(kwargs)
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(params):
+        v = bound[p.name] if p.name in bound else p.default
+        if v is inspect.Parameter.empty:
+            raise TypeError(f"{fn.fn.__name__}: no value for {p.name}")
+        if p.name in constexpr or v is None or isinstance(v, str):
+            sig[p.name] = "constexpr"
+            consts[(i,)] = v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + _DTYPES[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, TensorDescriptor):
+            block = ",".join(str(b) for b in v.block_shape)
+            sig[p.name] = f"tensordesc<{_DTYPES[v.base.dtype]}[{block}]>"
+        elif isinstance(v, bool):
+            sig[p.name] = "constexpr"
+            consts[(i,)] = v
+        elif isinstance(v, int):
+            if v == 1:
+                sig[p.name] = "constexpr"
+                consts[(i,)] = 1
+            else:
+                sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+                if v % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.fn.__name__}: cannot specialise {p.name}={type(v).__name__}")
+    return sig, consts, attrs, options
+
+
+def compile_launch(launch: Launch) -> Compiled:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, consts, attrs, options = _signature(launch)
+    key = repr((launch.name, sorted(sig.items()), sorted(consts.items()), sorted(attrs),
+                sorted(options.items())))
+    src = ASTSource(fn=launch.kernel, signature=sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=options)
+    ptx = k.asm["ptx"]
+    return Compiled(launch.name, key, k.metadata.shared, ptx.count("wgmma.mma_async"),
+                    ptx.count("mma.sync"), ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+                    ptx.count("cp.async.bulk.tensor"), ptx, k.metadata.num_warps)
+
+
+def forward_launches(shape, T, cfg, dtype, backward=False, rows_per_expert=None) -> list[Launch]:
+    """The launches of one moe.dispatch forward (and its backward, saved-z mode) with `cfg`, for
+    shape (H, I, E, K) scaled down to small H and I (the kernels' constants depend on the
+    config and on K, E and the divisibility of the sizes, not on the sizes themselves).
+    rows_per_expert: what the backward's config is chosen for (default: this call's T*K/E)."""
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+    from moe_ops.tuning.heuristics import backward_config
+
+    H, I, E, K = shape
+    full_I = I
+    H, I = min(H, 512), min(I, 256)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(T, H, dtype=dtype, generator=g)
+    w13 = torch.randn(E, 2 * I, H, dtype=dtype, generator=g)
+    w2 = torch.randn(E, H, I, dtype=dtype, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, K, generator=g)
+    with capture() as launches:
+        _, z = dispatch_triton(hidden, w13, w2, w, ids, config=cfg, save_z=True)
+        if backward:
+            rpe = T * K / E if rows_per_expert is None else rows_per_expert
+            bc = backward_config(cfg, "cuda", dtype, rows_per_expert=rpe, inter_size=full_I)
+            dispatch_backward_triton(torch.randn(T, H, dtype=dtype, generator=g), hidden, w13,
+                                     w2, w, ids, z=z, config=cfg, bwd_config=bc)
+    return launches
+
+
+def main(argv=None) -> int:
+    from moe_ops.tools._cli import token_count
+    from moe_ops.tuning.heuristics import heuristic_config, neighbours
+    from moe_ops.tuning.shapes import SHAPES
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--tokens", nargs="+", type=token_count, default=[1, 8, 512, 2048, 8192])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--neighbours", action="store_true", help="also every sweep neighbour")
+    p.add_argument("--backward", action="store_true", help="also the backward's kernels")
+    p.add_argument("--dump", help="write each compiled kernel's PTX into this folder")
+    args = p.parse_args(argv)
+    from moe_ops._runtime import interpret_enabled
+
+    if interpret_enabled():   # the kernels would be interpreted functions, not compilable
+        p.error("compile_check compiles the kernels for sm_90: unset TRITON_INTERPRET")
+    if args.dump:
+        try:
+            os.makedirs(args.dump, exist_ok=True)
+        except OSError as exc:
+            p.error(f"--dump {args.dump}: {exc.strerror}")
+    dtype = getattr(torch, args.dtype)
+    seen, failed = set(), 0
+    print(f"{'kernel':<32} {'config':<28} {'shared':>7} {'wgmma':>5} {'mma':>5} {'cp.async':>8} "
+          f"{'tma':>4} {'warps':>5}")
+    for name in args.shapes:
+        H, I, E, K = SHAPES[name]
+        for T in args.tokens:
+            base = heuristic_config(T, E, K, H, I, "cuda", dtype)
+            cfgs = neighbours(base, dtype) if args.neighbours else {"heuristic": base}
+            for vname, cfg in cfgs.items():
+                small_T = 1 if cfg.direct_rows else 16
+                for launch in forward_launches((H, I, E, K), small_T, cfg, dtype, args.backward,
+                                               rows_per_expert=T * K / E):
+                    try:
+                        c = compile_launch(launch)
+                    except Exception as exc:   # report every failure, then exit 1
+                        failed += 1
+                        print(f"{launch.name:<32} {name}:{T} {vname}: FAILED "
+                              f"{type(exc).__name__}: {str(exc)[-300:]}")
+                        continue
+                    if c.key in seen:
+                        continue
+                    seen.add(c.key)
+                    over = " OVER LIMIT" if c.shared > SHARED_LIMIT else ""
+                    print(f"{c.name:<32} {f'{name}:{T} {vname}'[:28]:<28} {c.shared:>7} "
+                          f"{c.wgmma:>5} {c.mma:>5} {c.cp_async:>8} {c.tma:>4} {c.warps:>5}{over}",
+                          flush=True)
+                    failed += bool(over)
+                    if args.dump:
+                        os.makedirs(args.dump, exist_ok=True)
+                        with open(os.path.join(args.dump, f"{c.name}_{len(seen)}.ptx"), "w") as f:
+                            f.write(c.ptx)
+    print(f"{len(seen)} distinct kernels compiled for sm_90, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

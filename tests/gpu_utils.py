@@ -1,0 +1,52 @@
+"""Shared inputs and helpers of the GPU tests (tests/test_*_gpu.py; skipped without CUDA)."""
+import subprocess
+import sys
+
+import torch
+
+from moe_ops.ops.samples import make_dispatch_inputs
+from moe_ops.reference import dispatch_reference
+from moe_ops.tuning.shapes import SHAPES  # name: (H, I, E, K)
+
+# float32 runs full-precision products; bf16/fp16 store the [rows, I] activation in the input
+# dtype, so their error is a few units of its rounding (2^-8 bf16, 2^-11 fp16).
+GPU_RTOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+
+
+def _oracle(hidden, w13, w2, w, ids):
+    """float64 reference on the GPU: float64 activations make the reference compute in float64,
+    casting one expert's weights at a time."""
+    return dispatch_reference(hidden.double(), w13, w2, w.double(), ids)
+
+
+def _poison_allocator(nbytes=1 << 30):
+    """Fill free cached memory with NaN so that intermediates the kernels never write show up."""
+    torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
+
+
+def _inputs(name, T, dtype, routing="uniform", seed=0, num_experts=None):
+    H, I, E, K = SHAPES[name]
+    E = num_experts or E
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return make_dispatch_inputs(T, H, I, E, K, dtype=dtype, device="cuda", routing=routing,
+                                weight_std=0.02, generator=g)
+
+
+BWD_RTOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def start_gpu_noise():
+    """A process running bf16 matmuls on the same GPU, returned once it is running (the
+    failure mode of Triton 3.6's warp-specialised kernels appeared only beside one)."""
+    code = ("import time, torch\n"
+            "a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16)\n"
+            "print('ready', flush=True)\n"
+            "t = time.time()\n"
+            "while time.time() - t < 3600:\n"
+            "    a @ a\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if "ready" not in line:
+        proc.kill()
+        raise RuntimeError(f"the GPU noise process did not start: {line!r}")
+    return proc

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import moe_ops  # noqa: E402,F401  (registers torch.ops.moe.* and the "moe_ops" experts implementation)
-from moe_ops.debug import OpCounter  # noqa: E402
+from moe_ops.tools.debug import OpCounter  # noqa: E402
 from moe_ops.integrations.huggingface import apply_moe_ops, experts_layout  # noqa: E402
 
 

@@ -487,7 +487,7 @@ def _router_classes():
 # Public API
 
 
-def apply_moe_ops(model: torch.nn.Module | None = None):
+def apply_moe_ops(model: torch.nn.Module | None = None, *, expert_parallel_group=None):
     """Runs the MoE layers on `moe.route` + `moe.dispatch`.
 
     With `model`: patches every experts module of that instance that transformers dispatches
@@ -502,7 +502,16 @@ def apply_moe_ops(model: torch.nn.Module | None = None):
     `revert_moe_ops()`: the listed routers run moe.route, and the experts run moe.dispatch unless
     the model's experts implementation was chosen explicitly (`set_experts_implementation`,
     `experts_implementation=`) while the patch is on, or the layout is one moe.dispatch does not
-    compute (then transformers' implementation runs, with a warning). Returns None."""
+    compute (then transformers' implementation runs, with a warning). Returns None.
+
+    `expert_parallel_group` (with a model; a torch.distributed ProcessGroup, or a
+    `moe_ops.distributed.ExpertParallelConfig` for other options than the all-to-all default):
+    every rank keeps only its shard of each experts module and runs it with
+    `moe_ops.distributed.expert_parallel_dispatch` (see `moe_ops.distributed.shard_experts_module`).
+    A collective: every rank of the group calls it. Expert parallelism covers the Mixtral layout
+    (gate-first `[E, 2I, H]` SiLU experts without biases); other layouts are refused."""
+    if model is None and expert_parallel_group is not None:
+        raise ValueError("apply_moe_ops: expert_parallel_group needs a model instance")
     if model is None:
         try:
             import transformers
@@ -524,9 +533,39 @@ def apply_moe_ops(model: torch.nn.Module | None = None):
             pass
         return None
     _check_module("apply_moe_ops", model)
-    for module, attr, fn in _plan(model):
+    plan = _plan(model)
+    if expert_parallel_group is not None:
+        _check_expert_parallel(plan)
+    for module, attr, fn in plan:
         _patch_instance(module, fn, attr)
+    if expert_parallel_group is not None:
+        from moe_ops.distributed import shard_experts_module
+
+        for module, attr, fn in plan:
+            if fn is _patched_experts_forward:
+                shard_experts_module(module, expert_parallel_group, forward_attr=attr)
     return model
+
+
+def _check_expert_parallel(plan) -> None:
+    """moe_ops.distributed shards and dispatches gate_up_proj [E, 2I, H] / down_proj [E, H, I]
+    SiLU experts: refuse every other layout before anything is patched."""
+    for module, _, fn in plan:
+        if fn is _llama4_moe_forward:
+            raise UnsupportedModelError(
+                f"apply_moe_ops: expert parallelism does not cover {type(module).__name__} "
+                "(Llama 4: the routing weight multiplies the experts' input).")
+        if fn is not _patched_experts_forward:
+            continue
+        layout = experts_layout(module)
+        if (layout.activation != "silu" or layout.dispatch_kwargs()
+                or layout.w13 is not module.gate_up_proj):
+            raise UnsupportedModelError(
+                f"apply_moe_ops: expert parallelism covers gate-first [E, 2I, H] SiLU experts "
+                f"without biases; {type(module).__name__} is {layout.activation}-gated"
+                f"{', biased' if layout.w13_bias is not None else ''}"
+                f"{', interleaved' if layout.gate_up_interleaved else ''}"
+                f"{', transposed' if layout.w13 is not module.gate_up_proj else ''}.")
 
 
 def revert_moe_ops(model: torch.nn.Module | None = None):

@@ -120,3 +120,38 @@ def test_family(fam):
         got = _out(model, ids, kw)
     assert c.counts.get("dispatch", 0) == len(calls), c.counts
     assert rel_err(got, ref) < 1e-5
+
+
+# One family per router kind apply_moe_ops replaces (moe_ops/integrations/_hf_routers.py).
+ROUTED = [f for f in ("mixtral", "minimax", "qwen3_next", "qwen3_vl_moe", "jamba", "granitemoe",
+                      "gpt_oss", "aria", "deepseek_v2", "glm4_moe", "dots1") if f in FAMILIES]
+
+
+@pytest.mark.parametrize("fam", ROUTED)
+def test_router_matches_transformers(fam):
+    """The moe.route forward of a listed router against transformers' own on the same module:
+    the same experts per token (in any order), the same weights, logits and dtypes."""
+    from moe_ops.integrations._hf_routers import original_forward, router_forward_for
+
+    model = hf_families.build(fam)
+    router = next((m for m in model.modules() if router_forward_for(m) is not None), None)
+    if router is None:
+        pytest.skip(f"{fam}: this transformers' router is not one moe_ops replaces")
+    hidden = torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = original_forward(router)(router, hidden)
+        got = router_forward_for(router)(router, hidden)
+    assert len(ref) == len(got) == 3
+    kinds = [("ids" if t.dtype == torch.int64 else "x") for t in ref]
+    ids_i = kinds.index("ids")
+    ref_ids, got_ids = ref[ids_i], got[ids_i]
+    assert got_ids.dtype == torch.int64
+    ref_o, got_o = ref_ids.argsort(-1), got_ids.argsort(-1)
+    assert torch.equal(ref_ids.gather(1, ref_o), got_ids.gather(1, got_o))
+    for i, (r, g) in enumerate(zip(ref, got)):
+        if i == ids_i:
+            continue
+        assert r.dtype == g.dtype and r.shape == g.shape, (i, r.dtype, g.dtype, r.shape, g.shape)
+        if r.shape == ref_ids.shape:  # the top-k weights, in each row's id order
+            r, g = r.gather(1, ref_o), g.gather(1, got_o)
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)

@@ -175,8 +175,9 @@ class ExpertParallelGroup:
                 f"{where}: the expert shards cover [0, {nxt}), not [0, num_experts={E}); "
                 f"shards (first_expert, count) per rank: {[(r[0], r[1]) for r in rows]}")
 
-    def owner_table(self, device) -> torch.Tensor:
-        """[E] int64: the rank that holds each expert (cached per device)."""
+    def owner_table(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """([E] int64: the rank that holds each expert, [W] int64: each rank's first expert),
+        cached per device."""
         key = str(device)
         cache = self.__dict__.setdefault("_owner", {})
         if key not in cache:
@@ -384,6 +385,9 @@ def expert_parallel_dispatch(hidden: torch.Tensor, w13_local: torch.Tensor, w2_l
     _check_args(hidden, w13_local, w2_local, topk_weights, topk_ids, first_expert, num_experts,
                 mode, sync_free, capacity)
     epg = _resolve_group(group, w13_local, w2_local, first_expert, num_experts)
+    if (checks_enabled() and not torch.compiler.is_compiling()
+            and (sync_free or mode == "replicated")):
+        _check_same_tokens(epg, hidden, mode, capacity)
     group_name = epg.group_name
     owner_of, starts = epg.owner_table(hidden.device)
     ids = topk_ids.long()
@@ -394,6 +398,27 @@ def expert_parallel_dispatch(hidden: torch.Tensor, w13_local: torch.Tensor, w2_l
                            group_name, dispatch_kwargs)
     return _all_to_all(hidden, w13_local, w2_local, topk_weights, ids, owner, starts, epg,
                        group_name, sync_free, capacity, dispatch_kwargs)
+
+
+def _check_same_tokens(epg, hidden, mode, capacity):
+    """MOE_OPS_CHECK=1 (a collective and a host read): the forms whose buffers are sized from
+    shapes need the same T (sync-free: the same capacity) on every rank; a mismatch would make
+    the collectives fail (gloo) or hang / read garbage (NCCL)."""
+    T = hidden.shape[0]
+    mine = torch.tensor([T, -1 if capacity is None else capacity], dtype=torch.int64,
+                        device=hidden.device)
+    rows = [torch.empty_like(mine) for _ in range(epg.world_size)]
+    dist.all_gather(rows, mine, group=epg.group)
+    vals = [tuple(r.tolist()) for r in rows]
+    if len(set(vals)) != 1:
+        what = ("the same tokens (T)" if mode == "replicated" else
+                "the same T_rank, or the same capacity")
+        per_rank = ", ".join(f"rank {i}: T={t}" + ("" if c < 0 else f", capacity={c}")
+                             for i, (t, c) in enumerate(vals))
+        if mode != "replicated" and len({c for _, c in vals}) == 1 and vals[0][1] >= 0:
+            return   # one capacity everywhere: T may differ
+        raise ValueError(f"expert_parallel_dispatch(mode={mode!r}, sync_free=...) needs {what} "
+                         f"on every rank ({per_rank})")
 
 
 def _replicated(hidden, w13_local, w2_local, topk_weights, ids, owner, epg, group_name, kwargs):

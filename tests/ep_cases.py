@@ -221,6 +221,7 @@ def _cases():
         dtype=t, seed=26)
     c["setup_errors"] = _case_setup_errors
     c["ids_beyond_e_checked"] = _case_ids_check
+    c["unequal_tokens_checked"] = _case_unequal_tokens_checked
     c["dynamo_explain"] = _case_explain
     c["compiled"] = _case_compiled
     c["hf_apply_moe_ops_expert_parallel"] = _case_hf_apply
@@ -301,6 +302,35 @@ def _case_ids_check(rank, W, group, device, dtype):
         _expect(ValueError, f"expert id {2 * W + 5}", lambda: expert_parallel_dispatch(
             p["x"], w13[first:first + count], w2[first:first + count], p["w"], bad,
             first_expert=first, num_experts=2 * W, group=group))
+    finally:
+        if old is None:
+            del os.environ["MOE_OPS_CHECK"]
+        else:
+            os.environ["MOE_OPS_CHECK"] = old
+
+
+def _case_unequal_tokens_checked(rank, W, group, device, dtype):
+    """MOE_OPS_CHECK=1: sync-free with different T per rank (and no common capacity), or the
+    replicated form with different T, raise ValueError on every rank; one capacity for all
+    allows different T."""
+    E = 2 * W
+    first, count = even_shard(E, W, rank)
+    a = torch.randn(count, 12, 8, dtype=dtype, device=device)
+    b = torch.randn(count, 8, 6, dtype=dtype, device=device)
+    T = 3 + rank
+    g = torch.Generator().manual_seed(30 + rank)
+    x = torch.randn(T, 8, generator=g, dtype=torch.float64).to(device, dtype)
+    w = torch.rand(T, 2, generator=g, dtype=torch.float64).to(device, dtype)
+    ids = torch.randint(0, E, (T, 2), generator=g).to(device)
+    old = os.environ.get("MOE_OPS_CHECK")
+    os.environ["MOE_OPS_CHECK"] = "1"
+    try:
+        for kw in ({"sync_free": True}, {"mode": "replicated"}):
+            _expect(ValueError, "on every rank", lambda kw=kw: expert_parallel_dispatch(
+                x, a, b, w, ids, first_expert=first, num_experts=E, group=group, **kw))
+        out = expert_parallel_dispatch(x, a, b, w, ids, first_expert=first, num_experts=E,
+                                       group=group, sync_free=True, capacity=3 + W)
+        assert out.shape == x.shape and not torch.isnan(out).any()
     finally:
         if old is None:
             del os.environ["MOE_OPS_CHECK"]

@@ -363,21 +363,28 @@ def expert_parallel_dispatch(hidden: torch.Tensor, w13_local: torch.Tensor, w2_l
     w13_local, w2_local and any local-shard biases passed through `dispatch_kwargs`).
 
     `group`: a ProcessGroup (None: the default group) or an `ExpertParallelGroup`. Without an
-    ExpertParallelGroup the first call for a given shard runs its set-up check (a collective).
+    ExpertParallelGroup the first call for a given shard runs its set-up check (a collective,
+    cached); under torch.compile pass an ExpertParallelGroup made beforehand. Every rank must
+    agree on which inputs require gradients (the backward's collectives follow the graph).
 
     `mode="all_to_all"`: each rank brings its own tokens. The default reads the split sizes on
     the host (one device-to-host sync per call). `sync_free=True` sizes every buffer from shapes:
     each rank sends `capacity` rows (default T_rank, the worst case: a token goes at most once to
-    each rank) to every rank, so every rank must pass the same T_rank (or the same capacity). A
-    rank that would send more than `capacity` rows to one rank fails loudly: on the CPU a
-    RuntimeError at the call; on CUDA a device-side assert (torch._assert_async) that surfaces at
-    the next host synchronisation, and the overflowing tokens' outputs are NaN; never a silent
-    drop.
+    each rank) to every rank, so every rank must pass the same capacity (by default: the same
+    T_rank, as a CUDA-graph decode step padded to a fixed batch does; MOE_OPS_CHECK=1 verifies
+    it). A rank that would send more than `capacity` rows to one rank fails loudly: on the CPU a
+    RuntimeError at the call; on CUDA a device-side assert (torch._assert_async) that surfaces
+    at the next host synchronisation (the CUDA context is then unusable, as after any device
+    assert), and the overflowing tokens' outputs are NaN; never a silent drop. With K > E_local
+    and a token routed to the same expert twice, the same assert fires (a token has at most
+    E_local distinct experts on one rank; repeated ids are unsupported there).
 
     `mode="replicated"`: every rank passes the same tokens and routing; each computes its own
     experts and an all-reduce sums the outputs. The backward assumes the loss is replicated (the
     same on every rank): the reduction's backward is the identity and the gradients of hidden
-    and topk_weights are summed over the group.
+    and topk_weights are summed over the group. The output is the full [T, H] on every rank (an
+    all-reduce, not a reduce-scatter: the result keeps the contract's [T_rank, H]; sequence-
+    parallel callers that want a slice use the all-to-all form on their own slice instead).
 
     Ids < 0 contribute nothing; ids >= num_experts raise ValueError with MOE_OPS_CHECK=1 (a host
     sync) and contribute nothing otherwise.

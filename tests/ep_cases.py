@@ -222,6 +222,7 @@ def _cases():
     c["setup_errors"] = _case_setup_errors
     c["ids_beyond_e_checked"] = _case_ids_check
     c["unequal_tokens_checked"] = _case_unequal_tokens_checked
+    c["repeated_ids_k_above_local_raise"] = _case_repeated_ids_k_above_local
     c["dynamo_explain"] = _case_explain
     c["compiled"] = _case_compiled
     c["hf_apply_moe_ops_expert_parallel"] = _case_hf_apply
@@ -336,6 +337,31 @@ def _case_unequal_tokens_checked(rank, W, group, device, dtype):
             del os.environ["MOE_OPS_CHECK"]
         else:
             os.environ["MOE_OPS_CHECK"] = old
+
+
+def _case_repeated_ids_k_above_local(rank, W, group, device, dtype):
+    """K > E_local with an expert repeated in a row: a loud error (CPU: at the call), not a
+    silently dropped slot. On a group of one rank (every rank makes its own), so that no peer
+    waits in a collective for the rank that raises."""
+    solo = None
+    for r in range(W):   # new_group is a collective: every rank creates every group
+        g = dist.new_group([r])
+        if r == rank:
+            solo = g
+    a = torch.randn(2, 12, 8, dtype=dtype, device=device)
+    b = torch.randn(2, 8, 6, dtype=dtype, device=device)
+    x = torch.randn(2, 8, dtype=dtype, device=device)
+    w = torch.rand(2, 3, dtype=dtype, device=device)
+    for mode in ("all_to_all", "replicated"):
+        ids = torch.tensor([[0, 1, -1], [1, 0, 1]], dtype=torch.int32, device=device)
+
+        def call(mode=mode, ids=ids):
+            out = expert_parallel_dispatch(x, a, b, w, ids, first_expert=0, num_experts=2,
+                                           group=solo, mode=mode)
+            if out.is_cuda:
+                torch.cuda.synchronize()
+        _expect(RuntimeError, "repeated expert ids" if str(device) == "cpu"
+                else "device-side assert", call)
 
 
 def _case_explain(rank, W, group, device, dtype):

@@ -103,7 +103,9 @@ def check_parity(rank, W, group, *, E, H=8, I=6, K=2, tokens=None, mode="all_to_
                  dtype=torch.float64, device="cpu", seed=0, backward=True, use_epg=False,
                  biases=False, **kwargs):
     params = inspect.signature(moe_ops.dispatch).parameters
-    missing = [k for k in ([*kwargs, "w13_bias"] if biases else kwargs) if k not in params]
+    ep_only = ("pipeline_chunks",)
+    missing = [k for k in ([*kwargs, "w13_bias"] if biases else kwargs)
+               if k not in params and k not in ep_only]
     if missing:
         raise CaseSkipped(f"this moe_ops.dispatch has no {missing} argument")
     tokens = tokens or [5] * W
@@ -131,7 +133,8 @@ def check_parity(rank, W, group, *, E, H=8, I=6, K=2, tokens=None, mode="all_to_
     out = expert_parallel_dispatch(x, a, b, w, mine["ids"], first_expert=first, num_experts=E,
                                    group=grp, mode=mode, sync_free=sync_free, capacity=capacity,
                                    **kwargs)
-    plain_kwargs = {k: v for k, v in kwargs.items() if k not in ("w13_bias", "w2_bias")}
+    plain_kwargs = {k: v for k, v in kwargs.items()
+                    if k not in ("w13_bias", "w2_bias", *ep_only)}
     ref_out, gx, gw, ga, gb, gbias = _reference(w13, w2, per, replicated, full_bias, plain_kwargs)
     rows = slice(0, tokens[0]) if replicated else slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
     tol = TOL[dtype]
@@ -187,6 +190,10 @@ def _cases():
         r, W, g, E=8, K=2, tokens=[1] * W, device=d, dtype=t, seed=9)
     c["rep_no_tokens"] = lambda r, W, g, d, t: check_parity(
         r, W, g, E=8, K=2, tokens=[0] * W, mode="replicated", device=d, dtype=t, seed=10)
+    # pipelined default form: chunks overlapping; fewer tokens than chunks on some ranks
+    c["a2a_pipelined"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=2 * W - 1, K=3, tokens=[7, 0, 2, 11][:W], pipeline_chunks=3, pad_frac=0.2,
+        device=d, dtype=t, seed=27)
     # sync-free: worst-case buffers, and a capacity below T that suffices
     c["sf_random"] = lambda r, W, g, d, t: check_parity(
         r, W, g, E=8, K=3, sync_free=True, device=d, dtype=t, seed=11)

@@ -1,5 +1,5 @@
-"""Forward benchmark: `python -m moe_ops.bench` (moe_ops/bench.py), run from this checkout with the
-same flags, e.g. `python benchmarks/bench_moe.py --tiny --plot tiny.png`."""
+"""Forward benchmark: the `moe-ops-bench` console script (moe_ops/tools/bench.py), run from this
+checkout with the same flags, e.g. `python benchmarks/bench_moe.py --tiny --plot tiny.png`."""
 import os
 import sys
 

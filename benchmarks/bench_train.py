@@ -1,6 +1,6 @@
 """Training benchmark: forward + backward of the MoE expert computation (grads for hidden, w13, w2
 and topk_weights) for moe_ops against the `torch._grouped_mm` pipeline under autograd and
-transformers' "grouped_mm" experts (../shared/BENCHMARK.md, Training; issue 6).
+transformers' "grouped_mm" experts.
 
 For every (shape, T): bf16 weights (std 0.02, requires_grad), standard-normal hidden
 (requires_grad), topk_weights from torch.ops.moe.route on random logits (float32, requires_grad),

@@ -17,6 +17,7 @@ little reuse per L2 byte), by asking what the vendor GEMM does on that same shap
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import triton
@@ -153,6 +154,9 @@ def main(argv=None) -> int:
     p.add_argument("--vendor", action=argparse.BooleanOptionalAction, default=True,
                    help="time torch._grouped_mm (--no-vendor: moe_ops' kernels only)")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("probe_ceilings.py needs a CUDA GPU", file=sys.stderr)
+        return 2
     dev = torch.device("cuda")
     # the bench's own ceilings (best of three each: 1 GiB copy, bf16 8192^3 matmul)
     cp, mm, _ = bench.measure_ceilings(dev, bench.Timer(dev, 10, 50), tiny=False)

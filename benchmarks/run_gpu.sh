@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
-# On a GPU machine: the GPU tests and/or benchmarks. Logs and tables go to ${OUT:-.}.
+# GPU machine: the GPU test suite and/or the benchmarks, from a checkout (no install needed).
+# Logs and tables go to ${OUT:-.}.
 #   MOE_OPS_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_gpu.sh [tests|bench|all]
+# Environment: TEST_TIMEOUT (s per test group, 420), BENCH_TIMEOUT (240), TRAIN_TIMEOUT (150),
+# TRAIN_ARGS (extra bench_train.py flags, e.g. "--tokens 8192"), DECODE_TIMEOUT (90; 0 skips
+# examples/cuda_graph_decode.py), EXAMPLE_TIMEOUT (0 skips examples/train_moe.py --device cuda).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-.}
 stage=${1:-all}
-if ls .whl/*.whl >/dev/null 2>&1; then   # wheels the device image lacks (expecttest)
+if ls .whl/*.whl >/dev/null 2>&1; then   # wheels a bare GPU image may lack (expecttest)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-elif [ "$stage" != bench ]; then   # .whl is git-ignored: the device tool's carry=[".whl"] brings it
-  echo "WARNING: no .whl/*.whl here (pass carry=[\".whl\"]): tests/test_tuning.py will fail to import expecttest" >&2
+elif [ "$stage" != bench ]; then
+  echo "WARNING: no .whl/*.whl here: tests that use expecttest fail to import without it" >&2
 fi
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
   # Three pytest processes share the GPU: most of the time is Triton compiling on the CPU. Peak
   # memory of the three together stays under ~100 GiB (DeepSeek-V3 float32 parity is the largest).
+  # The three groups partition the GPU tests: the forward GPU files, the backward one, the rest.
   run_group() {  # name, pytest args...
     local name=$1; shift
     timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 "$@" \
@@ -33,9 +38,9 @@ if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 -c 'import matplotlib' 2>/dev/null && PLOT="--plot $out/bench.png"
   timeout "${BENCH_TIMEOUT:-240}" python3 -m moe_ops.tools.bench --graph-all \
     --md "$out/bench.md" --csv "$out/bench.csv" $PLOT > "$out/bench.log" 2>&1
-  echo "bench_moe rc=$?"
+  echo "moe-ops-bench rc=$?"
   timeout "${TRAIN_TIMEOUT:-150}" python3 benchmarks/bench_train.py ${TRAIN_ARGS:-} \
-    --md "$out/train.md" > "$out/train.log" 2>&1
+    --md "$out/train.md" --csv "$out/train.csv" > "$out/train.log" 2>&1
   echo "bench_train rc=$?"
   if [ "${DECODE_TIMEOUT:-90}" != 0 ]; then
     timeout "${DECODE_TIMEOUT:-90}" python3 examples/cuda_graph_decode.py > "$out/decode.log" 2>&1

@@ -434,7 +434,7 @@ def test_errors_internal_backward_ops(path, request):
 def test_no_tensor_descriptor_for_a_zero_stride():
     """An expanded weight (stride 0 along E) gets no tensor descriptor (the pointer path reads
     it); its contiguous copy does (the interpreter takes descriptors)."""
-    from moe_ops.launch.dispatch import tma_layout_ok, weight_desc
+    from moe_ops.launch._common import tma_layout_ok, weight_desc
 
     w = torch.randn(1, 32, 16, dtype=torch.float16)
     assert tma_layout_ok(w.expand(4, -1, -1).contiguous())

@@ -146,7 +146,7 @@ def test_weight_grad_persistent_matches_per_tile(name, routing):
 
     def wg(**kw):
         return dataclasses.replace(bc, weight_grad=dataclasses.replace(
-            bc.weight_grad, block_n=256, lpt_schedule=False, **kw))
+            bc.weight_grad, **{"block_n": 256, "lpt_schedule": False, **kw}))
 
     variants = {"per tile": wg(persistent=False),
                 "persistent": wg(persistent=True, persistent_num_stages=3),

@@ -74,7 +74,7 @@ def test_one_token_unused_expert_nan_weights(name):
         ids = torch.tensor(ids, dtype=torch.int32, device="cuda")
         ref = _oracle(h, w13, w2, w, ids)
         for fused in (True, False):
-            cfg = dataclasses.replace(base, fuse_combine=fused, combine_last=not fused)
+            cfg = dataclasses.replace(base, down_combine_fused=fused, combine_in_down=not fused)
             _poison_allocator()
             out = torch.full((1, H), float("nan"), dtype=torch.bfloat16, device="cuda")
             dispatch_triton(h, w13, w2, w, ids, config=cfg, out=out)

@@ -15,6 +15,7 @@ from conftest import (RTOL, OpCounter, assert_equal_across_tile_heights, ds_scal
 from training_utils import *  # noqa: F401,F403
 from training_utils import _default_mode, _inputs, _poison_empty, _z_err, _double  # noqa: F401
 from training_utils import _dense_float64, _oracle_grads, _train_step, _assert_exact_zeros  # noqa: F401
+from training_utils import _interpreted_int  # noqa: F401
 from training_utils import _check_grads  # noqa: F401
 from moe_ops.ops.samples import dispatch_samples, make_dispatch_inputs  # noqa: F401
 from moe_ops.reference.dispatch import dispatch_backward_reference, dispatch_z_reference  # noqa: F401,E501

@@ -175,3 +175,9 @@ def with_row_gemms(bc, **fields):
     return dataclasses.replace(
         bc, activation_grad_gemm=dataclasses.replace(bc.activation_grad_gemm, **fields),
         input_grad_gemm=dataclasses.replace(bc.input_grad_gemm, **fields))
+
+
+def _interpreted_int(v) -> int:
+    """A scalar seen inside an interpreted kernel (a tensor wrapper around a numpy handle, or a
+    plain int) as a Python int."""
+    return int(v.handle.data.item()) if hasattr(v, "handle") else int(v)

@@ -103,7 +103,9 @@ def check_parity(rank, W, group, *, E, H=8, I=6, K=2, tokens=None, mode="all_to_
                  dtype=torch.float64, device="cpu", seed=0, backward=True, use_epg=False,
                  biases=False, **kwargs):
     params = inspect.signature(moe_ops.dispatch).parameters
-    missing = [k for k in ([*kwargs, "w13_bias"] if biases else kwargs) if k not in params]
+    ep_only = ("pipeline_chunks",)
+    missing = [k for k in ([*kwargs, "w13_bias"] if biases else kwargs)
+               if k not in params and k not in ep_only]
     if missing:
         raise CaseSkipped(f"this moe_ops.dispatch has no {missing} argument")
     tokens = tokens or [5] * W
@@ -131,7 +133,8 @@ def check_parity(rank, W, group, *, E, H=8, I=6, K=2, tokens=None, mode="all_to_
     out = expert_parallel_dispatch(x, a, b, w, mine["ids"], first_expert=first, num_experts=E,
                                    group=grp, mode=mode, sync_free=sync_free, capacity=capacity,
                                    **kwargs)
-    plain_kwargs = {k: v for k, v in kwargs.items() if k not in ("w13_bias", "w2_bias")}
+    plain_kwargs = {k: v for k, v in kwargs.items()
+                    if k not in ("w13_bias", "w2_bias", *ep_only)}
     ref_out, gx, gw, ga, gb, gbias = _reference(w13, w2, per, replicated, full_bias, plain_kwargs)
     rows = slice(0, tokens[0]) if replicated else slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
     tol = TOL[dtype]
@@ -187,6 +190,10 @@ def _cases():
         r, W, g, E=8, K=2, tokens=[1] * W, device=d, dtype=t, seed=9)
     c["rep_no_tokens"] = lambda r, W, g, d, t: check_parity(
         r, W, g, E=8, K=2, tokens=[0] * W, mode="replicated", device=d, dtype=t, seed=10)
+    # pipelined default form: chunks overlapping; fewer tokens than chunks on some ranks
+    c["a2a_pipelined"] = lambda r, W, g, d, t: check_parity(
+        r, W, g, E=2 * W - 1, K=3, tokens=[7, 0, 2, 11][:W], pipeline_chunks=3, pad_frac=0.2,
+        device=d, dtype=t, seed=27)
     # sync-free: worst-case buffers, and a capacity below T that suffices
     c["sf_random"] = lambda r, W, g, d, t: check_parity(
         r, W, g, E=8, K=3, sync_free=True, device=d, dtype=t, seed=11)
@@ -221,6 +228,8 @@ def _cases():
         dtype=t, seed=26)
     c["setup_errors"] = _case_setup_errors
     c["ids_beyond_e_checked"] = _case_ids_check
+    c["unequal_tokens_checked"] = _case_unequal_tokens_checked
+    c["repeated_ids_k_above_local_raise"] = _case_repeated_ids_k_above_local
     c["dynamo_explain"] = _case_explain
     c["compiled"] = _case_compiled
     c["hf_apply_moe_ops_expert_parallel"] = _case_hf_apply
@@ -306,6 +315,60 @@ def _case_ids_check(rank, W, group, device, dtype):
             del os.environ["MOE_OPS_CHECK"]
         else:
             os.environ["MOE_OPS_CHECK"] = old
+
+
+def _case_unequal_tokens_checked(rank, W, group, device, dtype):
+    """MOE_OPS_CHECK=1: sync-free with different T per rank (and no common capacity), or the
+    replicated form with different T, raise ValueError on every rank; one capacity for all
+    allows different T."""
+    E = 2 * W
+    first, count = even_shard(E, W, rank)
+    a = torch.randn(count, 12, 8, dtype=dtype, device=device)
+    b = torch.randn(count, 8, 6, dtype=dtype, device=device)
+    T = 3 + rank
+    g = torch.Generator().manual_seed(30 + rank)
+    x = torch.randn(T, 8, generator=g, dtype=torch.float64).to(device, dtype)
+    w = torch.rand(T, 2, generator=g, dtype=torch.float64).to(device, dtype)
+    ids = torch.randint(0, E, (T, 2), generator=g).to(device)
+    old = os.environ.get("MOE_OPS_CHECK")
+    os.environ["MOE_OPS_CHECK"] = "1"
+    try:
+        for kw in ({"sync_free": True}, {"mode": "replicated"}):
+            _expect(ValueError, "on every rank", lambda kw=kw: expert_parallel_dispatch(
+                x, a, b, w, ids, first_expert=first, num_experts=E, group=group, **kw))
+        out = expert_parallel_dispatch(x, a, b, w, ids, first_expert=first, num_experts=E,
+                                       group=group, sync_free=True, capacity=3 + W)
+        assert out.shape == x.shape and not torch.isnan(out).any()
+    finally:
+        if old is None:
+            del os.environ["MOE_OPS_CHECK"]
+        else:
+            os.environ["MOE_OPS_CHECK"] = old
+
+
+def _case_repeated_ids_k_above_local(rank, W, group, device, dtype):
+    """K > E_local with an expert repeated in a row: a loud error (CPU: at the call), not a
+    silently dropped slot. On a group of one rank (every rank makes its own), so that no peer
+    waits in a collective for the rank that raises."""
+    solo = None
+    for r in range(W):   # new_group is a collective: every rank creates every group
+        g = dist.new_group([r])
+        if r == rank:
+            solo = g
+    a = torch.randn(2, 12, 8, dtype=dtype, device=device)
+    b = torch.randn(2, 8, 6, dtype=dtype, device=device)
+    x = torch.randn(2, 8, dtype=dtype, device=device)
+    w = torch.rand(2, 3, dtype=dtype, device=device)
+    for mode in ("all_to_all", "replicated"):
+        ids = torch.tensor([[0, 1, -1], [1, 0, 1]], dtype=torch.int32, device=device)
+
+        def call(mode=mode, ids=ids):
+            out = expert_parallel_dispatch(x, a, b, w, ids, first_expert=0, num_experts=2,
+                                           group=solo, mode=mode)
+            if out.is_cuda:
+                torch.cuda.synchronize()
+        _expect(RuntimeError, "repeated expert ids" if str(device) == "cpu"
+                else "device-side assert", call)
 
 
 def _case_explain(rank, W, group, device, dtype):

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 
 import moe_ops  # registers torch.ops.moe.*
-from moe_ops import _env
+from moe_ops import _env, _features
 from moe_ops.tools import baselines as bl
 from moe_ops.tools._timing import capture_graph  # noqa: F401  (re-exported)
 from moe_ops.tools._cli import device as cli_device
@@ -222,6 +222,8 @@ def environment(device: torch.device) -> list[tuple[str, str]]:
         ("device", dev),
         ("torch", f"{torch.__version__} (CUDA {cuda})"),
         ("triton", triton.__version__),
+        ("triton features", ", ".join(f"{k}={v}" for k, v in _features.summary().items()
+                                      if k != "triton")),
         ("transformers", bl.transformers_version() or "not installed"),
         ("moe_ops", f"{moe_ops.__version__} @ {git_sha()}"),
         ("python", platform.python_version()),

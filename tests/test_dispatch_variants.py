@@ -482,3 +482,30 @@ def test_triton_variants_hypothesis(T, H, I, E, activation, flags, routing, data
             assert torch.equal(a, torch.zeros_like(a))
         else:
             assert rel_err(a, r) <= 5e-5
+
+
+def test_plain_call_launches_no_variant_arguments(interpreter, monkeypatch):
+    """Without variant arguments the kernels get none of theirs (the compiled Mixtral kernels
+    are the ones from before the variants: same constexprs, same code), forward and backward."""
+    import moe_ops.launch.dispatch as ld
+    import moe_ops.launch.dispatch_backward as ldb
+    from conftest import spy_kernel_launches
+
+    launches = []
+    for mod in (ld, ldb):
+        spy_kernel_launches(monkeypatch, mod, lambda k, g, a, kw: launches.append(
+            (k.fn.__name__, set(kw))))
+    args, _ = _inputs("relu", T=7, H=16, I=8, E=4, K=2, requires_grad=True)
+    one, _ = _inputs("relu", T=1, H=16, I=8, E=4, K=2)
+    for cfg, a in ((_configs()["pointer"], args), (_configs()["tma_pair"], args),
+                   (_configs()["direct_fused"], one)):
+        ld.dispatch_triton(*[t.detach() for t in a], config=cfg, save_z=True)
+    moe_ops.dispatch(*args).sum().backward()
+    variant_names = {"ACT", "alpha", "limit", "INTERLEAVED", "HAS_BIAS", "b_ptr",
+                     "WEIGHTS_ON_INPUT", "tw_ptr", "TMA_TRANS", "SCALED", "weights_ptr"}
+    names = {n for n, _ in launches}
+    assert {"gate_up_kernel", "down_kernel", "down_combine_one_token_kernel",
+            "swiglu_grad_kernel", "gather_rows_kernel"} <= names, names
+    assert "act_grad_kernel" not in names and "expert_colsum_kernel" not in names
+    for name, kws in launches:
+        assert not kws & variant_names, (name, kws & variant_names)

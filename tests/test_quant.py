@@ -503,6 +503,16 @@ def test_hf_fp8_experts(interpreter):
     assert rel_err(out, quantized_dispatch_reference(x, q13, q2, w, ids, **kw)) < 1e-4
     assert register_fp8_experts_interface()
     assert fp8.ALL_FP8_EXPERTS_FUNCTIONS["moe_ops"] is fp8_experts_forward
+    # patch_quantized_experts: the module's own forward now runs moe.dispatch
+    from moe_ops.integrations.hf_quant import patch_quantized_experts
+
+    holder = torch.nn.Module()
+    holder.experts = experts
+    assert patch_quantized_experts(holder) == 1
+    assert torch.equal(experts(x, ids, w), out)
+    experts.activation_scheme = "static"
+    with pytest.raises(Exception, match="activation_scheme"):
+        patch_quantized_experts(holder)
 
 
 def test_hf_mxfp4_attach(interpreter):

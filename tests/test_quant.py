@@ -593,3 +593,24 @@ def test_one_token_direct_rows(interpreter):
     more = dict(activation="swiglu_oai", gate_up_interleaved=True, **biases)
     out = dispatch_quantized(mh, b13, b2, mtw, mids, **mkw, **more, out=_poisoned(mh))
     assert rel_err(out, quantized_dispatch_reference(mh, b13, b2, mtw, mids, **mkw, **more)) < 1e-5
+
+
+@pytest.mark.skipif(not hasattr(tl, "dot_scaled"), reason="this Triton has no tl.dot_scaled")
+def test_mxfp4_dot_scaled_path(interpreter):
+    """The tl.dot_scaled form of the MXFP4 kernels (QuantDispatchConfig.mxfp4_dot_scaled; the
+    interpreter runs it with float16 activations) matches the reference, with gpt-oss's
+    variants and a K tail (H = 96: the last 64-wide K step is half empty)."""
+    import dataclasses
+
+    from moe_ops.launch.quant import has_dot_scaled, quant_dispatch_config
+
+    assert has_dot_scaled()
+    args, kw, biases = mxfp4_inputs(7, 96, 64, 4, 2, dtype=torch.float16, routing="negative")
+    more = dict(activation="swiglu_oai", gate_up_interleaved=True, **biases)
+    cfg = dataclasses.replace(quant_dispatch_config(7, 4, 2, 96, 64, "mxfp4", 32, "cpu"),
+                              mxfp4_dot_scaled=True)
+    out = dispatch_quantized(*args, **kw, **more, config=cfg, out=_poisoned(args[0]))
+    ref = quantized_dispatch_reference(*args, **kw, **more)
+    assert rel_err(out, ref) < 3e-3      # float16 intermediates (act, y, out)
+    plain = dispatch_quantized(*args, **kw, **more)
+    assert rel_err(out, plain.double()) < 3e-3

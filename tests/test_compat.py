@@ -98,3 +98,18 @@ def test_weight_desc_without_revalidation_matches_the_constructor():
     assert weight_desc(torch.empty(2, 8, 7, dtype=torch.float16), [1, 8, 8]) is None
     with pytest.raises(AssertionError):
         weight_desc(torch.empty(0, 8, 16, dtype=torch.float16), [1, 16, 32])
+
+
+def test_feature_probes_answer_on_this_triton():
+    """moe_ops._features probes the installed Triton's API (not its version string alone)."""
+    from moe_ops import _features
+
+    s = _features.summary()
+    assert s["triton"] == ".".join(str(int("".join(c for c in p if c.isdigit()) or 0))
+                                   for p in triton.__version__.split("+")[0].split(".")[:3])
+    assert s["host_tensor_descriptors"]   # Triton >= 3.6 (the oldest supported) has them
+    assert s["warp_specialization_safe"] is False
+    if _features.triton_version() >= (3, 7, 0):
+        assert s["gluon_tma_multicast"], s
+    if _features.triton_version() >= (3, 8, 0):
+        assert s["gluon_hopper_tma_load"] == "async_load", s

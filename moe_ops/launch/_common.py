@@ -10,6 +10,7 @@ import sys
 import torch
 
 from moe_ops import _env
+from moe_ops._features import host_tensor_descriptors
 from moe_ops._compat import Interpreted, ensure_triton_allocator, tensor_descriptor  # noqa: F401
 from moe_ops.launch.fast import FastLaunch
 
@@ -129,7 +130,7 @@ def tma_layout_ok(t, strides=None) -> bool:
     contiguous last dimension, a 16-byte aligned base and 16-byte multiples as other strides,
     none of them 0 (an expanded tensor, e.g. one expert's weights broadcast over E: the pointer
     path reads it as it is)."""
-    if t.is_cuda and not sm90(t.device):
+    if (t.is_cuda and not sm90(t.device)) or not host_tensor_descriptors():
         return False
     strides = t.stride() if strides is None else strides
     es = t.element_size()

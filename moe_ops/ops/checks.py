@@ -121,7 +121,7 @@ def check_variant_types(activation="silu", w13_bias=None, w2_bias=None, alpha=1.
             raise TypeError(f"block_shape must be a list of two ints [bn, bk], got {block_shape!r}")
 
 
-def _check_weight_layout(name, w):
+def check_weight_layout(name, w):
     """Any strides are read as they are (a transposed checkpoint layout is a view, never
     copied); what the kernels cannot address raises instead of being copied."""
     if w.layout != torch.strided:
@@ -166,8 +166,8 @@ def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation="silu", w
         check_quantized_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
                                  w2_bias, gate_up_interleaved, weights_on_input, w13_scale,
                                  w2_scale, block_shape, quantize_activations)
-        _check_weight_layout("w13", w13)
-        _check_weight_layout("w2", w2)
+        check_weight_layout("w13", w13)
+        check_weight_layout("w2", w2)
         return
     check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     dev = hidden.device.type
@@ -182,8 +182,8 @@ def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation="silu", w
             f"topk_weights must be float32 or hidden's dtype {hidden.dtype}, got {topk_weights.dtype}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    _check_weight_layout("w13", w13)
-    _check_weight_layout("w2", w2)
+    check_weight_layout("w13", w13)
+    check_weight_layout("w2", w2)
     T, H = hidden.shape
     E, two_i, H13 = w13.shape
     E2, H2, I = w2.shape

@@ -12,9 +12,11 @@ from moe_ops._compat import after_autograd, any_requires_grad, below_autograd
 from moe_ops._runtime import on_device, recompute_enabled, use_triton
 from moe_ops.ops._registry import LIB, define, reject_forward_ad, reject_functorch
 from moe_ops.ops.checks import (check_dispatch, check_dispatch_backward, check_ids_in_range,
-                                check_tensor_args, check_variant_types)
+                                check_tensor_args, check_variant_types,
+                                check_weight_layout)
 from moe_ops.ops.quant_checks import is_quantized, reject_quantized_grad, reject_scale_grad
-from moe_ops.reference.dispatch import dispatch_backward_reference, dispatch_reference
+from moe_ops.reference.dispatch import (dispatch_backward_reference, dispatch_reference,
+                                        empty_grad)
 
 # The expert variants (every argument optional, appended after activation; docs/contract.md):
 # biases, the activation and its swiglu_oai constants, interleaved gate/up rows, the routing
@@ -130,8 +132,8 @@ def _backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, v):
             kw.update(w13_bias=_upcast1(b13), w2_bias=_upcast1(b2))
             grads = dispatch_backward_triton(*_upcast(grad_out, hidden, w13, w2, topk_weights),
                                              topk_ids, z=None if z is None else z.float(), **kw)
-            grads = tuple(g.to(t.dtype) for g, t in zip(grads, (hidden, w13, w2, topk_weights,
-                                                                 b13, b2)))
+            grads = tuple(None if g is None else g.to(t.dtype)
+                          for g, t in zip(grads, (hidden, w13, w2, topk_weights, b13, b2)))
             return _six_grads(grads, hidden, v)
         with on_device(hidden):
             return _six_grads(dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights,
@@ -177,7 +179,7 @@ def _dispatch_fake(hidden, w13, w2, topk_weights, topk_ids, *args, **kwargs):
 
 def _grads_fake(hidden, w13, w2, topk_weights, v):
     b13, b2 = v["w13_bias"], v["w2_bias"]
-    return (hidden.new_empty(hidden.shape), w13.new_empty(w13.shape), w2.new_empty(w2.shape),
+    return (hidden.new_empty(hidden.shape), empty_grad(w13), empty_grad(w2),
             topk_weights.new_empty(topk_weights.shape),
             hidden.new_empty(0) if b13 is None else b13.new_empty(b13.shape),
             hidden.new_empty(0) if b2 is None else b2.new_empty(b2.shape))
@@ -357,6 +359,9 @@ def dispatch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     v = variant_args(activation, w13_bias, w2_bias, alpha, limit, gate_up_interleaved,
                      weights_on_input, w13_scale, w2_scale, block_shape, quantize_activations)
     check_variant_types(**v)
+    # (a sparse weight never reaches the op's kernels: the dispatcher has none for its layout)
+    check_weight_layout("w13", w13)
+    check_weight_layout("w2", w2)
     if torch.compiler.is_compiling():
         # A check that fails inside the op's fake implementation reaches the user as dynamo's
         # TorchRuntimeError; raised here, in traced Python, it is eager's ValueError/TypeError

@@ -77,6 +77,64 @@ def route_samples(device="cpu", requires_grad=False):
     ]
 
 
+def make_variant_inputs(T, H, I, E, K, *, dtype=torch.float32, device="cpu", routing="uniform",
+                        generator=None, requires_grad=False, w13_bias=False, w2_bias=False,
+                        transpose_w13=False, transpose_w2=False, bias_dtype=None,
+                        ids_dtype=torch.int32, weight_std=0.1):
+    """make_dispatch_inputs' (hidden, w13, w2, topk_weights, topk_ids) and the biases (None
+    unless asked for; [E, 2I] and [E, H]). transpose_w13 / transpose_w2: the weights as
+    transposed views of [E, H, 2I] / [E, I, H] storage (the gpt-oss checkpoint layout)."""
+    g = generator
+    h, w13, w2, w, ids = make_dispatch_inputs(T, H, I, E, K, dtype=dtype, device=device,
+                                              routing=routing, generator=g, ids_dtype=ids_dtype,
+                                              weight_std=weight_std)
+    if transpose_w13:
+        w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    if transpose_w2:
+        w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    bd = bias_dtype or dtype
+    b13 = (torch.randn(E, 2 * I, generator=g, device=device) * 0.5).to(bd) if w13_bias else None
+    b2 = (torch.randn(E, H, generator=g, device=device) * 0.5).to(bd) if w2_bias else None
+    if requires_grad:
+        for t in (h, w13, w2, w, b13, b2):
+            if t is not None:
+                t.requires_grad_(True)
+    return (h, w13, w2, w, ids), b13, b2
+
+
+# (name, make_variant_inputs options, op keyword arguments): one case per variant, and the
+# gpt-oss combination (biases, swiglu_oai with a small limit so that the clamps bind,
+# interleaved rows, transposed weights)
+VARIANTS = [
+    ("gpt_oss", dict(w13_bias=True, w2_bias=True, transpose_w13=True, transpose_w2=True),
+     dict(activation="swiglu_oai", alpha=1.702, limit=0.3, gate_up_interleaved=True)),
+    ("bias_silu", dict(w13_bias=True, w2_bias=True), dict()),
+    ("gelu", dict(w13_bias=True), dict(activation="gelu")),
+    ("gelu_tanh", dict(w2_bias=True), dict(activation="gelu_tanh")),
+    ("relu", dict(), dict(activation="relu")),
+    ("interleaved", dict(transpose_w2=True), dict(gate_up_interleaved=True)),
+    ("swiglu_oai", dict(transpose_w13=True), dict(activation="swiglu_oai", alpha=1.1,
+                                                  limit=0.4)),
+    ("weights_on_input", dict(w13_bias=True, w2_bias=True), dict(weights_on_input=True)),
+]
+
+
+def dispatch_variant_samples(device="cpu", dtype=torch.float32, requires_grad=False):
+    """(args, kwargs) pairs: every variant of VARIANTS on a small odd shape with dropped ids,
+    and the gpt-oss combination at T = 1 and with weights on the input."""
+    g = torch.Generator(device=device).manual_seed(0)
+    out = []
+    for i, (_, opts, kw) in enumerate(VARIANTS):
+        args, b13, b2 = make_variant_inputs(7, 9, 5, 4, 2, dtype=dtype, device=device,
+                                            routing="negative" if i % 2 else "uniform",
+                                            generator=g, requires_grad=requires_grad, **opts)
+        out.append((args, dict(kw, w13_bias=b13, w2_bias=b2)))
+    args, b13, b2 = make_variant_inputs(1, 10, 6, 5, 3, dtype=dtype, device=device, generator=g,
+                                        requires_grad=requires_grad, **VARIANTS[0][1])
+    out.append((args, dict(VARIANTS[0][2], w13_bias=b13, w2_bias=b2, weights_on_input=True)))
+    return out
+
+
 def quant_dispatch_samples(device="cpu", dtype=torch.float32):
     """(args, kwargs) of moe.dispatch with quantized expert weights (issue 42): FP8 block-scaled
     (W8A8 and W8A16; T = 0, T = 1, partial scale blocks, ids < 0, gpt-oss-style variants) and

@@ -96,14 +96,19 @@ def dense_permuted(w: torch.Tensor) -> bool:
     return w.permute(order).is_contiguous()
 
 
+def empty_grad(w: torch.Tensor, dtype=None) -> torch.Tensor:
+    """An uninitialised gradient buffer for weight w: w's strides where w is a permutation of
+    dense storage (grad_like), else contiguous."""
+    if not w.is_contiguous() and dense_permuted(w):
+        return w.new_empty_strided(w.shape, w.stride(), dtype=dtype)
+    return w.new_empty(w.shape, dtype=dtype)
+
+
 def grad_like(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """g in w's dtype with w's strides where w is dense (a transposed view's gradient is the
     same transposed view of a dense buffer: autograd accumulates it without a copy), else
     contiguous."""
-    if not w.is_contiguous() and dense_permuted(w):
-        out = torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=w.device)
-        return out.copy_(g)
-    return g.to(w.dtype).contiguous()
+    return empty_grad(w).copy_(g)
 
 
 def dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activation="silu", return_z=False,

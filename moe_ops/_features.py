@@ -1,0 +1,90 @@
+"""Which Triton features the installed Triton offers, decided in one place by probing the API
+(not by version numbers scattered over the launchers). The launchers ask here before choosing a
+path; every path has a fallback that runs on the oldest supported Triton (3.6).
+
+| feature | first seen | used for |
+|---|---|---|
+| host tensor descriptors (triton.tools.tensor_descriptor) | 3.4 | TMA weight and activation tiles (sm_90+) |
+| tl.dot_scaled | 3.3 | not used: MXFP4 tiles are dequantized to bf16 in registers, the same on every version |
+| Gluon Hopper TMA load (`async_copy_global_to_shared` / `async_load`) | 3.6 / 3.8 | not used yet |
+| Gluon TMA multicast in CTA clusters (`multicast=`) | 3.7 | not used yet |
+| warp specialisation (`tl.range(warp_specialize=True)`) | 3.4 | not used: on Triton 3.6 / H200 its kernels returned NaN and stale tiles beside another process using the GPU (docs/design.md) |
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+
+@functools.lru_cache(maxsize=None)
+def triton_version() -> tuple:
+    """(major, minor, patch) of the installed Triton, (0, 0, 0) without one."""
+    try:
+        import triton
+    except ImportError:
+        return (0, 0, 0)
+    parts = []
+    for p in triton.__version__.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+@functools.lru_cache(maxsize=None)
+def host_tensor_descriptors() -> bool:
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def dot_scaled() -> bool:
+    try:
+        import triton.language as tl
+    except ImportError:
+        return False
+    return hasattr(tl, "dot_scaled")
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_hopper_tma_load() -> str | None:
+    """The name of Gluon's Hopper TMA global-to-shared load in this Triton, or None."""
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import tma
+    except ImportError:
+        return None
+    for name in ("async_load", "async_copy_global_to_shared"):
+        if hasattr(tma, name):
+            return name
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_tma_multicast() -> bool:
+    """Whether Gluon's Hopper TMA load takes `multicast=` (CTA clusters)."""
+    name = gluon_hopper_tma_load()
+    if name is None:
+        return False
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+
+    try:
+        return "multicast" in inspect.signature(getattr(tma, name)).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def warp_specialization_safe() -> bool:
+    """False on every supported Triton: no warp-specialised kernel ships until one passes the
+    GPU suite alone and beside a process running matmuls on the same GPU."""
+    return False
+
+
+def summary() -> dict:
+    """Every feature's answer (the benchmark and the bug-report helper print it)."""
+    return {"triton": ".".join(map(str, triton_version())),
+            "host_tensor_descriptors": host_tensor_descriptors(), "dot_scaled": dot_scaled(),
+            "gluon_hopper_tma_load": gluon_hopper_tma_load(),
+            "gluon_tma_multicast": gluon_tma_multicast(),
+            "warp_specialization_safe": warp_specialization_safe()}

@@ -198,7 +198,7 @@ def main():
                          f"floor {floor_us:.1f}", f"{100 * floor_us / best:.0f}% of floor",
                          f"err {err:.1e}" if err is not None else ""])
             print(" | ".join(rows[-1]), flush=True)
-        del w13, w2, d13, d2, rw
+        w13 = w2 = d13 = d2 = rw = None   # free this shape's weights before the next
         torch.cuda.empty_cache()
     print()
     print(text_table(["shape", "T", "times (us) ...", "", "", "", "", "", "", ""],

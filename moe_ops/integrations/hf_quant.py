@@ -28,7 +28,7 @@ def fp8_dispatch_kwargs(experts) -> dict:
     """moe.dispatch's keyword arguments for a transformers `FP8Experts` module (raises
     UnsupportedModelError for what it does not cover)."""
     problems = []
-    w13, w2 = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    w13 = getattr(experts, "gate_up_proj", None)
     if not getattr(experts, "has_gate", True) or w13 is None:
         problems.append("ungated experts (has_gate=False)")
     if getattr(experts, "has_bias", False):

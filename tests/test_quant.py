@@ -301,6 +301,11 @@ def test_fp8_edges(interpreter):
     # batch invariance: a token's output does not depend on the other tokens
     one = dispatch_quantized(h[2:3], q13, q2, tw[2:3], ids[2:3], **kw)
     assert torch.allclose(one[0], a[2], rtol=1e-6, atol=1e-7)
+    # non-contiguous hidden and topk_weights (strides are passed, nothing is copied)
+    h_t = h.t().contiguous().t()
+    tw_t = tw.t().contiguous().t()
+    assert not h_t.is_contiguous() and not tw_t.is_contiguous()
+    assert torch.equal(dispatch_quantized(h_t, q13, q2, tw_t, ids, **kw), a)
 
 
 # ---------------------------------------------------------------- MXFP4 through the interpreter

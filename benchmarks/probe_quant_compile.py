@@ -12,7 +12,8 @@ from triton.compiler import ASTSource
 
 from moe_ops.kernels.quant_gemm import quant_down_kernel, quant_gate_up_kernel
 
-PTR = {"bf16": "*bf16", "fp8": "*fp8e4nv", "u8": "*u8", "f32": "*fp32", "i32": "*i32"}
+PTR = {"bf16": "*bf16", "f16": "*fp16", "fp8": "*fp8e4nv", "u8": "*u8", "f32": "*fp32",
+       "i32": "*i32"}
 
 
 # As Triton's launcher specialises them for contiguous weights and 16-aligned sizes (H, I, E*):
@@ -54,10 +55,12 @@ def main():
     failures = 0
     for fmt, quant_a, act_dtype in (("fp8", True, "bf16"), ("fp8", False, "bf16"),
                                     ("mxfp4", False, "bf16"), ("mxfp4_dot_scaled", False, "bf16"),
-                                    ("fp8", True, "f32")):
+                                    ("fp8", True, "f32"), ("fp8", False, "f32"),
+                                    ("mxfp4", False, "f32"), ("fp8", True, "f16"),
+                                    ("mxfp4_dot_scaled", False, "f16")):
         w = "fp8" if fmt == "fp8" else "u8"
         s = "f32" if fmt == "fp8" else "u8"
-        op = {"bf16": tl.bfloat16, "f32": tl.float32}[act_dtype]
+        op = {"bf16": tl.bfloat16, "f16": tl.float16, "f32": tl.float32}[act_dtype]
         block_k = 128
         for block_m in (16, 64):
             common = dict(WFMT={"fp8": 1, "mxfp4": 2}.get(fmt, 3), QUANT_A=quant_a, EMULATE=False,

@@ -14,12 +14,14 @@ unquantized activations (one sampled call per cell)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
 import moe_ops
 from moe_ops.tools._timing import capture_graph
 from moe_ops.tools.bench import Timer, environment, measure_ceilings, text_table
+from moe_ops.launch.quant import dispatch_quantized, has_dot_scaled, quant_dispatch_config
 from moe_ops.reference.quant import dequantize_weights, quantized_dispatch_reference
 
 SHAPES = {  # E, K, H, I, format
@@ -154,11 +156,22 @@ def main():
             cells = {}
             variants = ({"W8A8": dict(quantize_activations=True),
                          "W8A16": dict(quantize_activations=False)} if fmt == "fp8"
-                        else {"W4A16": {}})
+                        else {"W4A16": {}, "W4A16 dot_scaled": {}})
             err = None
             for label, extra in variants.items():
-                def fn(extra=extra):
-                    return moe_ops.dispatch(hidden, w13, w2, tw, ids, **qkw, **extra)
+                if label.endswith("dot_scaled"):
+                    if not has_dot_scaled():
+                        cells[label] = "n/a (no tl.dot_scaled)"
+                        continue
+                    cfg = dataclasses.replace(
+                        quant_dispatch_config(T, E, K, H, I, fmt, 32, "cuda"),
+                        mxfp4_dot_scaled=True)
+
+                    def fn(cfg=cfg):
+                        return dispatch_quantized(hidden, w13, w2, tw, ids, **qkw, config=cfg)
+                else:
+                    def fn(extra=extra):
+                        return moe_ops.dispatch(hidden, w13, w2, tw, ids, **qkw, **extra)
                 cells[label] = best_time(timer, fn)
                 if err is None and T <= 2048:
                     ref = quantized_dispatch_reference(hidden, w13, w2, tw, ids, **qkw,
@@ -179,13 +192,13 @@ def main():
                         lambda: scaled_grouped_mm_moe(hidden, *rw, tw, ids)) * 1e3
                 except Exception as exc:  # noqa: BLE001
                     cells["scaled_grouped_mm"] = f"n/a ({type(exc).__name__})"
-            best = min(v for k, v in cells.items() if k in variants)
+            best = min(v for k, v in cells.items() if k in variants and isinstance(v, float))
             rows.append([name, str(T), *(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in cells.items()),
                          f"floor {floor_us:.1f}", f"{100 * floor_us / best:.0f}% of floor",
                          f"err {err:.1e}" if err is not None else ""])
             print(" | ".join(rows[-1]), flush=True)
-        del w13, w2, d13, d2, rw
+        w13 = w2 = d13 = d2 = rw = None   # free this shape's weights before the next
         torch.cuda.empty_cache()
     print()
     print(text_table(["shape", "T", "times (us) ...", "", "", "", "", "", "", ""],

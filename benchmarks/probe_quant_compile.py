@@ -12,7 +12,8 @@ from triton.compiler import ASTSource
 
 from moe_ops.kernels.quant_gemm import quant_down_kernel, quant_gate_up_kernel
 
-PTR = {"bf16": "*bf16", "fp8": "*fp8e4nv", "u8": "*u8", "f32": "*fp32", "i32": "*i32"}
+PTR = {"bf16": "*bf16", "f16": "*fp16", "fp8": "*fp8e4nv", "u8": "*u8", "f32": "*fp32",
+       "i32": "*i32"}
 
 
 # As Triton's launcher specialises them for contiguous weights and 16-aligned sizes (H, I, E*):
@@ -53,18 +54,21 @@ def main():
     print(f"triton {triton.__version__}, target sm_90")
     failures = 0
     for fmt, quant_a, act_dtype in (("fp8", True, "bf16"), ("fp8", False, "bf16"),
-                                    ("mxfp4", False, "bf16"), ("fp8", True, "f32")):
+                                    ("mxfp4", False, "bf16"), ("mxfp4_dot_scaled", False, "bf16"),
+                                    ("fp8", True, "f32"), ("fp8", False, "f32"),
+                                    ("mxfp4", False, "f32"), ("fp8", True, "f16"),
+                                    ("mxfp4_dot_scaled", False, "f16")):
         w = "fp8" if fmt == "fp8" else "u8"
         s = "f32" if fmt == "fp8" else "u8"
-        op = {"bf16": tl.bfloat16, "f32": tl.float32}[act_dtype]
+        op = {"bf16": tl.bfloat16, "f16": tl.float16, "f32": tl.float32}[act_dtype]
         block_k = 128
         for block_m in (16, 64):
-            common = dict(WFMT=1 if fmt == "fp8" else 2, QUANT_A=quant_a, EMULATE=False,
+            common = dict(WFMT={"fp8": 1, "mxfp4": 2}.get(fmt, 3), QUANT_A=quant_a, EMULATE=False,
                           OP_DTYPE=op, DOT_PRECISION="ieee" if act_dtype == "f32" else "tf32",
                           BLOCK_M=block_m, BLOCK_K=block_k, GROUP_M=8, DIRECT=block_m == 16)
             variants = [dict(ACTIVATION=0, INTERLEAVED=False, HAS_BIAS=False,
                              WEIGHTS_ON_INPUT=False)]
-            if fmt == "mxfp4":
+            if fmt.startswith("mxfp4"):
                 variants.append(dict(ACTIVATION=4, INTERLEAVED=True, HAS_BIAS=True,
                                      WEIGHTS_ON_INPUT=False))
             for var in variants:
@@ -89,7 +93,7 @@ def main():
                          act_scale_ptr=PTR["f32"], ids_ptr=PTR["i32"])
             what = f"down {fmt} {'W8A8' if quant_a else 'A16'} {act_dtype} BM={block_m}"
             try:
-                print(f"  {what}: {compile_one(quant_down_kernel, types, {**common, 'HAS_BIAS': fmt == 'mxfp4', 'HAS_WEIGHTS': True, 'BLOCK_N': 128}, 4 if block_m < 64 else 8, 3)}")
+                print(f"  {what}: {compile_one(quant_down_kernel, types, {**common, 'HAS_BIAS': fmt != 'fp8', 'HAS_WEIGHTS': True, 'BLOCK_N': 128}, 4 if block_m < 64 else 8, 3)}")
             except Exception as exc:  # noqa: BLE001
                 failures += 1
                 print(f"  {what}: FAILS {type(exc).__name__}: {str(exc)[:2000]}")

@@ -65,7 +65,8 @@ def quantize_experts(model, block=(128, 128)):
         if not name.endswith("mlp.experts"):
             continue
         w13, w2 = mod.gate_up_proj.data, mod.down_proj.data
-        fp8 = FP8Experts(model.config, block_size=block).to(w13.device)
+        with torch.device(w13.device):   # (11 GB of FP8 at full width: allocated in place)
+            fp8 = FP8Experts(model.config, block_size=block)
         with torch.no_grad():
             for e in range(w13.shape[0]):   # one expert at a time: no float32 copy of them all
                 q, s = quantize_fp8_block(w13[e], block)

@@ -301,6 +301,11 @@ def test_fp8_edges(interpreter):
     # batch invariance: a token's output does not depend on the other tokens
     one = dispatch_quantized(h[2:3], q13, q2, tw[2:3], ids[2:3], **kw)
     assert torch.allclose(one[0], a[2], rtol=1e-6, atol=1e-7)
+    # non-contiguous hidden and topk_weights (strides are passed, nothing is copied)
+    h_t = h.t().contiguous().t()
+    tw_t = tw.t().contiguous().t()
+    assert not h_t.is_contiguous() and not tw_t.is_contiguous()
+    assert torch.equal(dispatch_quantized(h_t, q13, q2, tw_t, ids, **kw), a)
 
 
 # ---------------------------------------------------------------- MXFP4 through the interpreter
@@ -503,6 +508,16 @@ def test_hf_fp8_experts(interpreter):
     assert rel_err(out, quantized_dispatch_reference(x, q13, q2, w, ids, **kw)) < 1e-4
     assert register_fp8_experts_interface()
     assert fp8.ALL_FP8_EXPERTS_FUNCTIONS["moe_ops"] is fp8_experts_forward
+    # patch_quantized_experts: the module's own forward now runs moe.dispatch
+    from moe_ops.integrations.hf_quant import patch_quantized_experts
+
+    holder = torch.nn.Module()
+    holder.experts = experts
+    assert patch_quantized_experts(holder) == 1
+    assert torch.equal(experts(x, ids, w), out)
+    experts.activation_scheme = "static"
+    with pytest.raises(Exception, match="activation_scheme"):
+        patch_quantized_experts(holder)
 
 
 def test_hf_mxfp4_attach(interpreter):
@@ -583,3 +598,24 @@ def test_one_token_direct_rows(interpreter):
     more = dict(activation="swiglu_oai", gate_up_interleaved=True, **biases)
     out = dispatch_quantized(mh, b13, b2, mtw, mids, **mkw, **more, out=_poisoned(mh))
     assert rel_err(out, quantized_dispatch_reference(mh, b13, b2, mtw, mids, **mkw, **more)) < 1e-5
+
+
+@pytest.mark.skipif(not hasattr(tl, "dot_scaled"), reason="this Triton has no tl.dot_scaled")
+def test_mxfp4_dot_scaled_path(interpreter):
+    """The tl.dot_scaled form of the MXFP4 kernels (QuantDispatchConfig.mxfp4_dot_scaled; the
+    interpreter runs it with float16 activations) matches the reference, with gpt-oss's
+    variants and a K tail (H = 96: the last 64-wide K step is half empty)."""
+    import dataclasses
+
+    from moe_ops.launch.quant import has_dot_scaled, quant_dispatch_config
+
+    assert has_dot_scaled()
+    args, kw, biases = mxfp4_inputs(7, 96, 64, 4, 2, dtype=torch.float16, routing="negative")
+    more = dict(activation="swiglu_oai", gate_up_interleaved=True, **biases)
+    cfg = dataclasses.replace(quant_dispatch_config(7, 4, 2, 96, 64, "mxfp4", 32, "cpu"),
+                              mxfp4_dot_scaled=True)
+    out = dispatch_quantized(*args, **kw, **more, config=cfg, out=_poisoned(args[0]))
+    ref = quantized_dispatch_reference(*args, **kw, **more)
+    assert rel_err(out, ref) < 3e-3      # float16 intermediates (act, y, out)
+    plain = dispatch_quantized(*args, **kw, **more)
+    assert rel_err(out, plain.double()) < 3e-3

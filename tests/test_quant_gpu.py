@@ -225,3 +225,27 @@ def test_gradients_through_frozen_experts():
                                        emulate_kernel=False)
     rh, rw = torch.autograd.grad(ref, (hd, twd), go.double())
     assert rel_err(gh, rh) < 2e-2 and rel_err(gw, rw) < 1e-4
+
+
+@pytest.mark.parametrize("T", [1, 128, 2048])
+def test_mxfp4_dot_scaled_matches(T):
+    """The tl.dot_scaled form (QuantDispatchConfig.mxfp4_dot_scaled, an A/B candidate) agrees
+    with the kernels' own decode at gpt-oss-20b's shape."""
+    import dataclasses
+
+    from moe_ops.launch.quant import has_dot_scaled, quant_dispatch_config
+
+    if not has_dot_scaled():
+        pytest.skip("this Triton has no tl.dot_scaled")
+    E, K, H, I = SHAPES["gpt_oss_20b"]
+    g = torch.Generator(device=DEV).manual_seed(200 + T)
+    b13, b2, s13, s2 = mxfp4_weights(E, H, I, g)
+    hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+    tw, ids = _route(T, E, K, g)
+    kw = dict(w13_scale=s13, w2_scale=s2, activation="swiglu_oai", gate_up_interleaved=True)
+    cfg = dataclasses.replace(quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda"),
+                              mxfp4_dot_scaled=True)
+    out = dispatch_quantized(hidden, b13, b2, tw, ids, **kw, config=cfg)
+    plain = dispatch_quantized(hidden, b13, b2, tw, ids, **kw)
+    assert rel_err(out, plain.double()) <= 5e-3
+    assert rel_err(out, quantized_dispatch_reference(hidden, b13, b2, tw, ids, **kw)) <= 1e-2

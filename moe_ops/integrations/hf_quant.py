@@ -28,7 +28,7 @@ def fp8_dispatch_kwargs(experts) -> dict:
     """moe.dispatch's keyword arguments for a transformers `FP8Experts` module (raises
     UnsupportedModelError for what it does not cover)."""
     problems = []
-    w13, w2 = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    w13 = getattr(experts, "gate_up_proj", None)
     if not getattr(experts, "has_gate", True) or w13 is None:
         problems.append("ungated experts (has_gate=False)")
     if getattr(experts, "has_bias", False):
@@ -137,3 +137,31 @@ def mxfp4_experts_forward(self, hidden_states, top_k_index, top_k_weights):
               w13_bias=getattr(self, "gate_up_proj_bias", None),
               w2_bias=getattr(self, "down_proj_bias", None))
     return _dispatch(self, b13, b2, hidden_states, top_k_index, top_k_weights, kw)
+
+
+def patch_quantized_experts(model) -> int:
+    """Runs every transformers `FP8Experts` module of `model` through moe.dispatch (its
+    forward replaced on the instance by `fp8_experts_forward`; transformers' routers stay as
+    they are), after checking each one (UnsupportedModelError names what is not covered), and
+    every experts module that `attach_mxfp4` gave raw MXFP4 tensors through
+    `mxfp4_experts_forward`. Returns the number of modules patched. (apply_moe_ops refuses
+    quantized experts until huggingface.py takes this hook: see the module docstring.)"""
+    import types
+
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8Experts
+    except ImportError:
+        FP8Experts = ()
+    todo = []
+    for name, mod in model.named_modules():
+        if FP8Experts and isinstance(mod, FP8Experts):
+            try:
+                fp8_dispatch_kwargs(mod)
+            except UnsupportedModelError as exc:
+                raise UnsupportedModelError(f"{name}: {exc}") from None
+            todo.append((mod, fp8_experts_forward))
+        elif getattr(mod, "moe_ops_mxfp4", None) is not None:
+            todo.append((mod, mxfp4_experts_forward))
+    for mod, fn in todo:
+        mod.forward = types.MethodType(fn, mod)
+    return len(todo)

@@ -13,6 +13,9 @@ WFMT 1, FP8 block-scaled: w [E, N, K] float8_e4m3fn with a float32 scale per [bn
 WFMT 2, MXFP4: w [E, N, K//2] uint8, two e2m1 values per byte (low nibble first), uint8 e8m0
 scale per 32 values (s [E, N, K//32]); the tile is decoded in registers to A's dtype (exact for
 bf16) and multiplied with a 16-bit dot accumulating in float32.
+WFMT 3, MXFP4 through tl.dot_scaled (bf16/fp16 A): the packed bytes and scales go to Triton's
+scaled dot as they are (on Hopper it upcasts to bf16 MMAs itself, after the pipelined copies of
+the packed bytes); launch.quant.has_dot_scaled() decides whether this Triton has it.
 
 quant_gate_up_kernel: act[row] = activation(gate, up) of W13_e x (+ bias), rows gathered
 through the slot table, the gate/up rows split (first/second half, or even/odd rows when
@@ -147,7 +150,7 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
             b = e4m3_decode(b)
         elif not QUANT_A:
             b = b.to(OP_DTYPE)
-    else:
+    elif WFMT == 2:
         # [BN, BLOCK_K // 2] packed bytes -> [BN, BLOCK_K] values, low nibble first
         BN: tl.constexpr = w_rows.shape[0]
         offs_p = tl.arange(0, BLOCK_K // 2)
@@ -163,6 +166,17 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
                        (BN, BLOCK_K))
         b = tl.trans(v.to(OP_DTYPE))
         scale = tl.full((BN,), 1.0, tl.float32)
+    else:
+        # WFMT 3 (MXFP4 through tl.dot_scaled): the packed tile as it is, [BLOCK_K // 2, BN]
+        # (k pairs down, low nibble = even k), and its e8m0 bytes [BN, BLOCK_K // 32]
+        offs_p = tl.arange(0, BLOCK_K // 2)
+        p_mask = offs_p < (K - k0) // 2
+        b = tl.load(w_rows[None, :] + (k0 // 2 + offs_p)[:, None] * stride_wk,
+                    mask=p_mask[:, None] & wmask[None, :], other=0)
+        offs_g = tl.arange(0, BLOCK_K // 32)
+        g_mask = offs_g < (K - k0) // 32
+        scale = tl.load(s_rows[:, None] + (k0 // 32 + offs_g)[None, :] * stride_sk,
+                        mask=wmask[:, None] & g_mask[None, :], other=0)
     return b, scale
 
 
@@ -177,8 +191,13 @@ def mma_step(acc, a, a_scale, b, b_scale, WFMT: tl.constexpr, QUANT_A: tl.conste
             acc = acc + part * a_scale[:, None] * b_scale[None, :]
         else:
             acc = acc + part * b_scale[None, :]
-    else:
+    elif WFMT == 2:
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+    else:   # MXFP4 through tl.dot_scaled (b packed e2m1, b_scale its e8m0 bytes)
+        if a.dtype == tl.bfloat16:
+            acc = tl.dot_scaled(a, None, "bf16", b, b_scale, "e2m1", acc)
+        else:
+            acc = tl.dot_scaled(a, None, "fp16", b, b_scale, "e2m1", acc)
     return acc
 
 

@@ -33,6 +33,15 @@ class QuantDispatchConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    # MXFP4 through tl.dot_scaled instead of the kernels' own decode (bf16/fp16 activations,
+    # where has_dot_scaled()); off by default until measured on the H200
+    mxfp4_dot_scaled: bool = False
+
+
+def has_dot_scaled() -> bool:
+    """Whether this Triton has tl.dot_scaled with an e2m1 right operand and a bf16/fp16 left one
+    (3.6 and 3.9 do: both compile it for sm_90 to bf16 wgmma). The one place that decides."""
+    return hasattr(tl, "dot_scaled")
 
 
 def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: int,
@@ -96,11 +105,16 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
                          f"one activation group of the down GEMM), got {cfg.block_n1}")
     if fmt == "mxfp4" and cfg.block_k % 32:
         raise ValueError(f"config.block_k must be a multiple of 32 for MXFP4, got {cfg.block_k}")
-    wfmt = 1 if fmt == "fp8" else 2
+    # dot_scaled: GPU with 16-bit activations, or the interpreter with float16 ones (its bf16
+    # dots are unreliable)
+    scaled = (fmt == "mxfp4" and cfg.mxfp4_dot_scaled and has_dot_scaled()
+              and (hidden.dtype == torch.float16
+                   or (hidden.dtype == torch.bfloat16 and not emulate)))
+    wfmt = 1 if fmt == "fp8" else 3 if scaled else 2
     # The interpreter decodes fp8 weights from their bits (its fp8 loads read NaN as 480).
     w13_k = w13.view(torch.uint8) if emulate and fmt == "fp8" else w13
     w2_k = w2.view(torch.uint8) if emulate and fmt == "fp8" else w2
-    op_dtype = tl.float32 if emulate else _TL_DTYPE[hidden.dtype]
+    op_dtype = tl.float32 if emulate and not scaled else _TL_DTYPE[hidden.dtype]
     dot_precision = "ieee" if op_dtype == tl.float32 else "tf32"
     n_slots = T * K
     # One token: row block k is slot k (its K experts are distinct), no alignment launch.

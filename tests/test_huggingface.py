@@ -1061,3 +1061,26 @@ def test_gpu_bf16_gpt_oss(route):
             continue
         assert p.grad is not None, n
         assert rel_err(p.grad.float(), q.grad.float()) < 5e-2, n
+
+
+def test_compile_fullgraph_class_route_and_gpt_oss():
+    """One graph (fullgraph) for the class route's experts lookup and for gpt-oss's variant
+    arguments: nothing in the patched paths reads source code or breaks the graph."""
+    ids = input_ids()
+    try:
+        apply_moe_ops()
+        model = make_model("mixtral")
+        model.set_experts_implementation("moe_ops")
+        with torch.no_grad():
+            ref = model(ids).logits
+            torch._dynamo.reset()
+            out = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits
+        assert rel_err(out, ref) < 1e-5
+    finally:
+        revert_moe_ops()
+    model = apply_moe_ops(_randomise_biases(_gpt_oss()))
+    with torch.no_grad():
+        ref = model(ids).logits
+        torch._dynamo.reset()
+        out = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits
+    assert rel_err(out, ref) < 1e-5

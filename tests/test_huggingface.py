@@ -1084,3 +1084,21 @@ def test_compile_fullgraph_class_route_and_gpt_oss():
         torch._dynamo.reset()
         out = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CPU-only check: with triton 3.6 on a CUDA machine, an interpreted launch "
+                           "fails and breaks the CUDA launches after it in the process")
+@needs_interpreter
+def test_gpt_oss_triton_interpreter(monkeypatch):
+    """gpt-oss's variant (transposed views, interleaved, biases, swiglu_oai) through the Triton
+    kernels, run by Triton's interpreter on CPU."""
+    model = _randomise_biases(_gpt_oss())
+    model.set_experts_implementation("eager")
+    ids = input_ids(batch=1, seq=6)
+    with torch.no_grad():
+        ref = model(ids).logits
+        apply_moe_ops(model)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        out = model(ids).logits
+    assert rel_err(out, ref) < 1e-5

@@ -131,12 +131,13 @@ ROUTED = [f for f in ("mixtral", "minimax", "qwen3_next", "qwen3_vl_moe", "jamba
 def test_router_matches_transformers(fam):
     """The moe.route forward of a listed router against transformers' own on the same module:
     the same experts per token (in any order), the same weights, logits and dtypes."""
-    from moe_ops.integrations._hf_routers import original_forward, router_forward_for
+    from moe_ops.integrations._hf_routers import original_forward, prepare, router_forward_for
 
     model = hf_families.build(fam)
     router = next((m for m in model.modules() if router_forward_for(m) is not None), None)
     if router is None:
         pytest.skip(f"{fam}: this transformers' router is not one moe_ops replaces")
+    prepare(type(router), original_forward(router))
     hidden = torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ref = original_forward(router)(router, hidden)

@@ -1068,3 +1068,44 @@ def test_gpu_bf16_gpt_oss(route):
         assert p.grad is not None, n
         eager_err = rel_err(q.grad.float(), r.grad.float())
         assert rel_err(p.grad.float(), r.grad.float()) <= 2 * eager_err + 1e-2, n
+
+
+def test_compile_fullgraph_class_route_and_gpt_oss():
+    """One graph (fullgraph) for the class route's experts lookup and for gpt-oss's variant
+    arguments: nothing in the patched paths reads source code or breaks the graph."""
+    ids = input_ids()
+    try:
+        apply_moe_ops()
+        model = make_model("mixtral")
+        model.set_experts_implementation("moe_ops")
+        with torch.no_grad():
+            ref = model(ids).logits
+            torch._dynamo.reset()
+            out = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits
+        assert rel_err(out, ref) < 1e-5
+    finally:
+        revert_moe_ops()
+    model = apply_moe_ops(_randomise_biases(_gpt_oss()))
+    with torch.no_grad():
+        ref = model(ids).logits
+        torch._dynamo.reset()
+        out = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CPU-only check: with triton 3.6 on a CUDA machine, an interpreted launch "
+                           "fails and breaks the CUDA launches after it in the process")
+@needs_interpreter
+def test_gpt_oss_triton_interpreter(monkeypatch):
+    """gpt-oss's variant (transposed views, interleaved, biases, swiglu_oai) through the Triton
+    kernels, run by Triton's interpreter on CPU."""
+    model = _randomise_biases(_gpt_oss())
+    model.set_experts_implementation("eager")
+    ids = input_ids(batch=1, seq=6)
+    with torch.no_grad():
+        ref = model(ids).logits
+        apply_moe_ops(model)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        out = model(ids).logits
+    assert rel_err(out, ref) < 1e-5

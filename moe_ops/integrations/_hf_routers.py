@@ -35,30 +35,40 @@ _ORDER: dict = {}
 def _ret(self, logits, weights, ids):
     """(logits, weights, ids) in the order this router class returns them: transformers 5.17's
     GraniteMoE router returns (top_k_index, top_k_weights, router_logits), later ones
-    (router_logits, top_k_weights, top_k_index). Read once per class from the last `return` of
-    its own forward."""
-    cls = type(self)
-    order = _ORDER.get(cls)
-    if order is None:
-        order = (0, 1, 2)
-        try:
-            src = inspect.getsource(original_forward(self))
-            names = [n.strip() for n in re.findall(r"return\s+([^\n]+)", src)[-1].split(",")]
-            if len(names) == 3:
-                def kind(n):
-                    if "logit" in n:
-                        return 0
-                    if "ind" in n or "idx" in n or "expert" in n:
-                        return 2
-                    return 1
-                found = tuple(kind(n) for n in names)
-                if sorted(found) == [0, 1, 2]:
-                    order = found
-        except (OSError, TypeError, IndexError):
-            pass
-        _ORDER[cls] = order
+    (router_logits, top_k_weights, top_k_index). `prepare(cls)` reads it from the class's own
+    forward when the patch is installed (not here: torch.compile cannot trace `inspect`)."""
+    order = _ORDER.get(type(self), (0, 1, 2))
+    if order == (0, 1, 2):
+        return logits, weights, ids
     out = (logits, weights, ids)
     return tuple(out[i] for i in order)
+
+
+def _return_order(fn):
+    try:
+        src = inspect.getsource(fn)
+        names = [n.strip() for n in re.findall(r"return\s+([^\n]+)", src)[-1].split(",")]
+    except (OSError, TypeError, IndexError):
+        return (0, 1, 2)
+    if len(names) != 3:
+        return (0, 1, 2)
+
+    def kind(n):
+        if "logit" in n:
+            return 0
+        if "ind" in n or "idx" in n or "expert" in n:
+            return 2
+        return 1
+    found = tuple(kind(n) for n in names)
+    return found if sorted(found) == [0, 1, 2] else (0, 1, 2)
+
+
+def prepare(cls, original) -> None:
+    """Reads what the patched forwards need from a router class's own source, once, eagerly:
+    the order of its return values and whether it masks discarded groups with 0.0."""
+    if cls not in _ORDER:
+        _ORDER[cls] = _return_order(original)
+    _masks_with_zero(cls)
 
 
 def softmax_renorm_forward(self, hidden_states):
@@ -145,7 +155,7 @@ def deepseek_v3_forward(self, hidden_states):
     topk_groups = int(getattr(self, "topk_group", None) or num_groups)
     top_k = int(self.top_k)
     if num_groups > 1 and (E % num_groups or top_k > topk_groups * (E // num_groups)
-                           or _masks_with_zero(type(self))):
+                           or _ZERO_MASK.get(type(self), False)):
         return original_forward(self)(self, hidden_states)
     hidden_states = hidden_states.reshape(-1, self.weight.shape[1])
     router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))

@@ -313,6 +313,7 @@ def _plan(model):
                         f"experts but the experts module holds {layout.w13.shape[0]} (expert "
                         "parallelism is not covered by apply_moe_ops; use "
                         "set_experts_implementation('moe_ops')).")
+                _hf_routers.prepare(type(router), _hf_routers.original_forward(router))
                 plan.append((router, _forward_attr(router, rwhere), router_forward_for(router)))
                 break
     if not plan:
@@ -525,6 +526,7 @@ def apply_moe_ops(model: torch.nn.Module | None = None, *, expert_parallel_group
                 "(transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS); moe_ops needs transformers "
                 ">= 5.0.")
         for cls, fn in _router_classes():
+            _hf_routers.prepare(cls, cls.__dict__.get("forward", cls.forward))
             _patch_class(cls, fn)
         try:
             mod = importlib.import_module("transformers.models.llama4.modeling_llama4")

@@ -253,6 +253,16 @@ def _case_overflow(rank, W, group, device, dtype):
         if out.is_cuda:
             torch.cuda.synchronize()   # where a device-side assert surfaces
         return out
+    # MOE_OPS_CHECK=1: counted first, ValueError (every rank overflows here: no peer waits)
+    old = os.environ.get("MOE_OPS_CHECK")
+    os.environ["MOE_OPS_CHECK"] = "1"
+    try:
+        _expect(ValueError, "capacity = 2 is below the 4 rows", call)
+    finally:
+        if old is None:
+            del os.environ["MOE_OPS_CHECK"]
+        else:
+            os.environ["MOE_OPS_CHECK"] = old
     # CPU: torch._assert_async raises at the call with the message; CUDA: a device-side assert
     # (the message goes to stderr; the CUDA context is lost: run this case last)
     _expect(RuntimeError, "capacity = 2" if str(device) == "cpu" else "device-side assert", call)
@@ -281,7 +291,7 @@ def _case_setup_errors(rank, W, group, device, dtype):
     # dtypes differ across ranks
     other = torch.float32 if dtype != torch.float32 else torch.float64
     a3, b3 = shard(2, dt=dtype if rank == 0 else other)
-    _expect(TypeError, "dtype differs across ranks", lambda: ExpertParallelGroup.setup(
+    _expect(TypeError, f"rank 0: {dtype}, rank 1: {other}", lambda: ExpertParallelGroup.setup(
         a3, b3, first_expert=2 * rank, num_experts=2 * W, group=group))
     # the good one, and a call whose arguments contradict it
     epg = ExpertParallelGroup.setup(a, b, first_expert=2 * rank, num_experts=2 * W, group=group)

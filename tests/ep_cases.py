@@ -549,7 +549,20 @@ def _case_hf_plan(rank, W, group, device, dtype):
         for name, lg in (("unpatched", plain), ("moe_ops", patched)):
             err = _rel(lg, ref_logits)
             assert err < tol, (impl, name, err)
-        _expect(UnsupportedModelError, "", lambda m=model: apply_moe_ops(m))
+        # apply_moe_ops(model) on transformers' plan: either a clear refusal (the experts carry
+        # transformers' instance-level expert-parallel forward) or, where huggingface.py routes
+        # such experts through the "moe_ops" implementation, the same logits through moe_ops
+        model.set_experts_implementation("eager")
+        try:
+            apply_moe_ops(model)
+        except UnsupportedModelError as e:
+            assert "instance-level forward" in str(e) or "expert parallel" in str(e), e
+        else:
+            with torch.no_grad(), OpCounter() as calls:
+                applied = model(batch).logits
+            assert calls.counts.get("dispatch", 0) == 2, (impl, calls.counts)
+            err = _rel(applied, ref_logits)
+            assert err < tol, (impl, "apply_moe_ops", err)
 
 
 CASES = _cases()

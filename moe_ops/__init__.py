@@ -32,7 +32,7 @@ def _decorate_kernels():
         import triton  # noqa: F401
     except ImportError:   # the PyTorch reference still runs on CPU
         return
-    from moe_ops.launch import alignment, dispatch, dispatch_backward, routing  # noqa: F401
+    from moe_ops.launch import alignment, dispatch, dispatch_backward, quant, routing  # noqa: F401
 
 
 _decorate_kernels()

@@ -289,8 +289,9 @@ def test_error_non_tensor_through_python_api():
 
 
 def test_error_activation():
-    with pytest.raises(ValueError, match="activation must be 'silu'"):
-        torch.ops.moe.dispatch(*_good(), activation="gelu")
+    with pytest.raises(ValueError, match="activation must be one of 'silu', 'gelu', 'gelu_tanh', "
+                                         "'relu', 'swiglu_oai', got 'swish'"):
+        torch.ops.moe.dispatch(*_good(), activation="swish")
     import moe_ops
 
     with pytest.raises(TypeError, match="activation must be a str"):
@@ -416,7 +417,7 @@ def test_errors_internal_backward_ops(path, request):
         (lambda: bw(g.half(), h, w13, w2, w, ids), TypeError, "grad_out must have hidden's dtype"),
         (lambda: bw(g, h, w13, w2, w, ids.float()), TypeError, "topk_ids"),
         (lambda: bw(g, h, w13[:, :10], w2, w, ids), ValueError, "w13"),
-        (lambda: bw(g, h, w13, w2, w, ids, "gelu"), ValueError, "activation"),
+        (lambda: bw(g, h, w13, w2, w, ids, "swish"), ValueError, "activation"),
         (lambda: bws(g, z[:3], h, w13, w2, w, ids), ValueError, "z must have shape"),
         (lambda: bws(g, z.half(), h, w13, w2, w, ids), TypeError, "z must have hidden's dtype"),
     ]

@@ -85,8 +85,8 @@ FAMILIES = {
 NAMES = list(FAMILIES)
 
 
-def make_model(name, dtype=torch.float32, device="cpu", seed=0):
-    cls, config = FAMILIES[name]()
+def make_model(name, dtype=torch.float32, device="cpu", seed=0, **config_over):
+    cls, config = FAMILIES[name](**config_over)
     torch.manual_seed(seed)
     model = cls(config)
     with torch.no_grad():
@@ -604,27 +604,75 @@ def test_unsupported_dense_model_raises():
     assert_pristine(model)
 
 
-def test_unsupported_moe_model_raises():
-    model = _gpt_oss()
-    with pytest.raises(UnsupportedModelError, match="GptOssForCausalLM.*GptOss"):
-        apply_moe_ops(model)
-    assert_pristine(model)
-
-
-def test_experts_interface_rejects_gpt_oss_layout():
-    model = _gpt_oss()
-    model.set_experts_implementation("moe_ops")
-    with pytest.raises(UnsupportedModelError, match="GptOssExperts.*(transposed|interleaved|bias)"):
-        model(input_ids())
-
-
 def test_unsupported_experts_layout_in_known_block_raises():
-    """A known block whose experts do not fit the contract is refused, and nothing is patched."""
+    """A known block whose experts do not fit the op is refused, and nothing is patched."""
     model = make_model("mixtral")
-    model.model.layers[1].mlp.experts.act_fn = torch.nn.GELU()
-    with pytest.raises(UnsupportedModelError, match="GELU"):
+    model.model.layers[1].mlp.experts.act_fn = torch.nn.Tanh()
+    with pytest.raises(UnsupportedModelError, match="activation Tanh"):
         apply_moe_ops(model)
     assert_pristine(model)
+
+
+# ------------------------------------------------------------------------------------------------
+# Gating activations (configs with hidden_act other than "silu")
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "relu",
+                                 "swish", "gelu_python"])
+def test_gated_activations(act):
+    """GELU (erf and tanh forms), ReLU and SiLU-gated configs run on moe.dispatch with the
+    matching activation, through both routes, and give transformers' logits."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(intermediate_size=96, num_local_experts=4,
+                                             num_experts_per_tok=2, hidden_act=act,
+                                             **COMMON)).eval()
+    ids = input_ids()
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        ref = model(ids).logits
+        model.set_experts_implementation("moe_ops")
+        with OpCounter() as c:
+            via_interface = model(ids).logits
+        assert c.counts == {"dispatch": 2}
+        model.set_experts_implementation("eager")
+        apply_moe_ops(model)
+        with OpCounter() as c:
+            patched = model(ids).logits
+        assert c.counts == {"route": 2, "dispatch": 2}
+    assert rel_err(via_interface, ref) < 1e-5
+    assert rel_err(patched, ref) < 1e-5
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "gelu_new", "relu"])
+def test_activation_names(act):
+    from transformers.activations import ACT2FN
+
+    from moe_ops.integrations._hf_layouts import activation_name
+
+    expected = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+                "relu": "relu"}[act]
+    assert activation_name(ACT2FN[act]) == expected
+
+
+@pytest.mark.parametrize("act", ["tanh", "quick_gelu", "relu2", "gelu_10", "mish"])
+def test_other_activations_refused(act):
+    """Any other gating activation is refused by both routes, the message naming it."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers.activations import ACT2FN
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(intermediate_size=96, num_local_experts=4,
+                                             num_experts_per_tok=2, hidden_act=act,
+                                             **COMMON)).eval()
+    name = type(ACT2FN[act]).__name__
+    with pytest.raises(UnsupportedModelError, match=f"activation {name}"):
+        apply_moe_ops(model)
+    assert_pristine(model)
+    model.set_experts_implementation("moe_ops")
+    with pytest.raises(UnsupportedModelError, match=f"activation {name}"), torch.no_grad():
+        model(input_ids())
 
 
 @pytest.mark.parametrize("fn", [apply_moe_ops, revert_moe_ops, is_patched])
@@ -748,3 +796,268 @@ def test_experts_interface_dense_routing_weights():
         got_dense = hf.moe_ops_experts_forward(experts, x, ids, dense)
     assert rel_err(got_sparse, ref) < 1e-5
     assert rel_err(got_dense, ref) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# gpt-oss: transposed, interleaved, biased experts with the clamped SwiGLU; top-k-then-softmax
+# router with a bias
+
+
+def _randomise_biases(model):
+    with torch.no_grad():
+        for m in model.modules():
+            for n in ("gate_up_proj_bias", "down_proj_bias"):
+                if isinstance(getattr(m, n, None), torch.Tensor):
+                    getattr(m, n).normal_(0.0, 0.3)
+            if type(m).__name__ == "GptOssTopKRouter":
+                m.weight.normal_(0.0, 0.3)
+                m.bias.normal_(0.0, 0.3)
+    return model
+
+
+def test_gpt_oss_zero_copy_views():
+    """The op reads gate_up_proj [E, H, 2I] / down_proj [E, I, H] as transposed views, never a
+    copy, with the module's own alpha and limit."""
+    model = _gpt_oss()
+    experts = model.model.layers[0].mlp.experts
+    layout = hf.experts_layout(experts)
+    assert layout.w13.data_ptr() == experts.gate_up_proj.data_ptr()
+    assert layout.w2.data_ptr() == experts.down_proj.data_ptr()
+    assert layout.w13.shape == (4, 64, 64) and layout.w2.shape == (4, 64, 32)
+    assert layout.w13_bias is experts.gate_up_proj_bias and layout.w2_bias is experts.down_proj_bias
+    assert layout.activation == "swiglu_oai" and layout.gate_up_interleaved
+    assert (layout.alpha, layout.limit) == (experts.alpha, experts.limit)
+
+
+@pytest.mark.parametrize("route", ["interface", "apply"])
+def test_gpt_oss_logits_and_gradients(route):
+    ref_model = _randomise_biases(_gpt_oss()).train()
+    ref_model.set_experts_implementation("eager")
+    model = copy.deepcopy(ref_model)
+    if route == "interface":
+        model.set_experts_implementation("moe_ops")
+    else:
+        apply_moe_ops(model)
+    ids = input_ids()
+    with OpCounter() as c:
+        out = model(ids, labels=ids)
+    assert c.counts.get("dispatch", 0) + c.counts.get("dispatch_train", 0) == 2, c.counts
+    assert c.counts.get("route", 0) == (2 if route == "apply" else 0)
+    ref = ref_model(ids, labels=ids)
+    assert rel_err(out.logits, ref.logits) < 1e-5
+    out.loss.backward()
+    ref.loss.backward()
+    grads = dict(model.named_parameters())
+    for n, p in ref_model.named_parameters():
+        if p.grad is None:
+            continue
+        assert grads[n].grad is not None, n
+        assert rel_err(grads[n].grad, p.grad) < 1e-4, n
+    assert grads["model.layers.0.mlp.experts.gate_up_proj_bias"].grad.abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# DeepSeek-V3 with top_k above what its group limit allows
+
+
+def test_deepseek_v3_top_k_above_group_limit():
+    """top_k = 3 with topk_group = 1 group of 8 / 4 = 2 experts: transformers masks the other
+    groups and takes the top 3 over all experts, so it picks a masked expert. The patched router
+    gives transformers' result (its own arithmetic, same tie-breaking), through both routes."""
+    model = make_model("deepseek_v3", n_group=4, topk_group=1, num_experts_per_tok=3)
+    ids = input_ids()
+    block = model.model.layers[1].mlp
+    hidden = torch.randn(33, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref_logits, ref_w, ref_ids = block.gate(hidden)
+        ref = model(ids).logits
+        model.set_experts_implementation("moe_ops")
+        assert rel_err(model(ids).logits, ref) < 1e-5
+        model.set_experts_implementation("eager")
+        apply_moe_ops(model)
+        logits, w, got_ids = block.gate(hidden)
+        out = model(ids).logits
+    assert torch.equal(logits, ref_logits) and torch.equal(got_ids, ref_ids)
+    assert torch.equal(w, ref_w)
+    assert rel_err(out, ref) < 1e-5
+    try:
+        apply_moe_ops()
+        fresh = make_model("deepseek_v3", n_group=4, topk_group=1, num_experts_per_tok=3)
+        with torch.no_grad():
+            assert rel_err(fresh(ids).logits, ref) < 1e-5
+    finally:
+        revert_moe_ops()
+
+
+def test_deepseek_v3_zero_masking_detected():
+    """A router whose source masks the discarded groups with 0.0 (older transformers) is left to
+    its own forward: moe.route never picks a discarded group's expert, 0.0 masking does whenever
+    an allowed expert's biased score is negative."""
+    from moe_ops.integrations import _hf_routers
+
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    class ZeroMasking(DeepseekV3TopkRouter):
+        def forward(self, hidden_states):  # the masking line of transformers < 5.x
+            scores_for_choice = hidden_states
+            score_mask = hidden_states > 0
+            return scores_for_choice.masked_fill(~score_mask.bool(), 0.0)
+
+    assert _hf_routers._masks_with_zero(ZeroMasking)
+    assert not _hf_routers._masks_with_zero(DeepseekV3TopkRouter) or "0.0)" in __import__(
+        "inspect").getsource(DeepseekV3TopkRouter)
+
+
+# ------------------------------------------------------------------------------------------------
+# The class route keeps set_experts_implementation working
+
+
+def test_class_route_honours_set_experts_implementation():
+    """After apply_moe_ops() (classes), a model's experts run moe_ops by default, and
+    set_experts_implementation("eager" / "grouped_mm" / "moe_ops") takes effect."""
+    ref_model = make_model("mixtral")
+    ids = input_ids()
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+    try:
+        apply_moe_ops()
+        model = make_model("mixtral")
+        with torch.no_grad():
+            for impl, dispatches in ((None, 2), ("eager", 0), ("grouped_mm", 0), ("moe_ops", 2),
+                                     ("batched_mm", 0)):
+                if impl is not None:
+                    model.set_experts_implementation(impl)
+                with OpCounter() as c:
+                    out = model(ids).logits
+                assert c.counts.get("dispatch", 0) == dispatches, (impl, c.counts)
+                assert c.counts.get("route", 0) == 2  # the routers stay patched
+                assert rel_err(out, ref) < 1e-5, impl
+    finally:
+        revert_moe_ops()
+
+
+def test_class_route_honours_from_pretrained_choice(tmp_path):
+    make_model("qwen3_moe").save_pretrained(tmp_path)
+    ids = input_ids()
+    try:
+        apply_moe_ops()
+        cls = FAMILIES["qwen3_moe"]()[0]
+        chosen = cls.from_pretrained(tmp_path, experts_implementation="eager").eval()
+        default = cls.from_pretrained(tmp_path).eval()
+        with torch.no_grad(), OpCounter() as c:
+            chosen(ids)
+        assert c.counts.get("dispatch", 0) == 0
+        with torch.no_grad(), OpCounter() as c:
+            default(ids)
+        assert c.counts.get("dispatch", 0) == 2
+    finally:
+        revert_moe_ops()
+
+
+def test_class_route_falls_back_for_uncovered_layouts():
+    """A layout moe.dispatch does not compute keeps transformers' experts under the class route
+    (a warning names the difference); a model asking for "moe_ops" explicitly is refused."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    def build():
+        torch.manual_seed(0)
+        return MixtralForCausalLM(MixtralConfig(intermediate_size=96, num_local_experts=4,
+                                                num_experts_per_tok=2, hidden_act="tanh",
+                                                **COMMON)).eval()
+    ids = input_ids()
+    with torch.no_grad():
+        ref = build()(ids).logits
+    try:
+        apply_moe_ops()
+        model = build()
+        with torch.no_grad(), pytest.warns(UserWarning, match="activation Tanh"):
+            out = model(ids).logits
+        assert rel_err(out, ref) < 1e-5
+        model.set_experts_implementation("moe_ops")
+        with pytest.raises(UnsupportedModelError, match="activation Tanh"), torch.no_grad():
+            model(ids)
+    finally:
+        revert_moe_ops()
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers import PreTrainedModel, PretrainedConfig
+    assert "get_interface" not in vars(ALL_EXPERTS_FUNCTIONS)
+    assert not hf.is_patched()
+    assert isinstance(vars(PretrainedConfig)["_experts_implementation"], property)
+    assert "moe_ops" not in PreTrainedModel.set_experts_implementation.__code__.co_filename
+
+
+def test_class_route_ignores_transformers_own_switches():
+    """generate() on a GPU switches "grouped_mm" to "batched_mm" for the decode and back, through
+    set_experts_implementation: that is not the user's choice, and the experts stay on moe_ops."""
+    from transformers.generation import utils as gen_utils
+
+    try:
+        apply_moe_ops()
+        model = make_model("mixtral")
+        # what _optimize_model_for_decode does, called from a transformers module
+        switch = eval(compile("lambda m, impl: m.set_experts_implementation(impl)",
+                              gen_utils.__file__, "eval"), {"__name__": gen_utils.__name__})
+        switch(model, "batched_mm")
+        with torch.no_grad(), OpCounter() as c:
+            model(input_ids())
+        assert c.counts.get("dispatch", 0) == 2
+        switch(model, "grouped_mm")
+        with torch.no_grad(), OpCounter() as c:
+            model(input_ids())
+        assert c.counts.get("dispatch", 0) == 2
+        model.set_experts_implementation("batched_mm")  # the user's choice
+        with torch.no_grad(), OpCounter() as c:
+            model(input_ids())
+        assert c.counts.get("dispatch", 0) == 0
+    finally:
+        revert_moe_ops()
+
+
+def test_custom_gate_with_a_clamp_refused_per_setting():
+    """A custom gate is identified by evaluating it, per setting: Step3p7-style gating (SiLU, then
+    a clamp when `limit` is set) is SiLU without a limit and refused with one."""
+    from moe_ops.integrations._hf_layouts import experts_layout
+
+    model = make_model("mixtral")
+    experts = model.model.layers[0].mlp.experts
+
+    class ClampedExperts(type(experts)):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            gate = self.act_fn(gate)
+            if self.limit is not None:
+                gate = gate.clamp(max=self.limit)
+                up = up.clamp(min=-self.limit, max=self.limit)
+            return gate * up
+
+    experts.__class__ = ClampedExperts
+    experts.limit = None
+    assert experts_layout(experts).activation == "silu"
+    experts.limit = 7.0
+    with pytest.raises(UnsupportedModelError, match="custom gating ClampedExperts._apply_gate"):
+        experts_layout(experts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["interface", "apply"])
+def test_gpu_bf16_gpt_oss(route):
+    """gpt-oss in bf16 on CUDA (Triton kernels with the transposed, interleaved, biased,
+    swiglu_oai variant): logits and a training step against transformers' eager experts."""
+    ref_model = _randomise_biases(_gpt_oss()).to(device="cuda", dtype=torch.bfloat16).train()
+    ref_model.set_experts_implementation("eager")
+    model = copy.deepcopy(ref_model)
+    if route == "interface":
+        model.set_experts_implementation("moe_ops")
+    else:
+        apply_moe_ops(model)
+    ids = input_ids(device="cuda")
+    out = model(ids, labels=ids)
+    ref = ref_model(ids, labels=ids)
+    assert rel_err(out.logits.float(), ref.logits.float()) < BF16_TOL
+    out.loss.backward()
+    ref.loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        if q.grad is None:
+            continue
+        assert p.grad is not None, n
+        assert rel_err(p.grad.float(), q.grad.float()) < 5e-2, n

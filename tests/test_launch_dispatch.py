@@ -207,7 +207,8 @@ def test_half_tail_decides_on_the_middle_row(interpreter, monkeypatch):
                               half_height_tails=True, direct_rows=False)
     bc = backward_config(cfg, "cpu", torch.float32)
     heights = {"gate_up_block": set(), "down_block": set()}
-    for name, pid_arg, tile_arg in (("gate_up_block", 5, -1), ("down_block", 6, -3)):
+    # (TILE_M's position: before the variant arguments, 13 in gate_up_block, 4 in down_block)
+    for name, pid_arg, tile_arg in (("gate_up_block", 5, -14), ("down_block", 6, -7)):
         def block(*a, _run=getattr(kg, name), _seen=heights[name], _pid=pid_arg, _tile=tile_arg):
             pid_m = a[_pid]
             _seen.add((_interpreted_int(pid_m), int(a[_tile])))

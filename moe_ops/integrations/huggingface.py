@@ -1,45 +1,56 @@
 """HuggingFace transformers integration: run the MoE layers of transformers models on
 `torch.ops.moe.route` and `torch.ops.moe.dispatch`.
 
-Two routes, both zero-copy (the ops read the model's own `experts.gate_up_proj` `[E, 2I, H]` and
-`experts.down_proj` `[E, H, I]`):
+Every family whose experts class uses transformers' `@use_experts_implementation` is covered
+through its recorded layout (`_hf_layouts.experts_layout`): `gate_up_proj` `[E, 2I, H]` or, where
+the family stores it transposed (gpt-oss, Aria), `[E, H, 2I]` read as `gate_up_proj.transpose(1, 2)`
+(a view, never a copy); gate/up halves concatenated or interleaved; optional biases; SiLU, GELU
+(erf or tanh), ReLU or gpt-oss's clamped SwiGLU gating. Llama 4's MoE block (router weight on the
+input) is covered too. Ungated experts, post-expert norms, other activations or custom gates,
+DBRX's split gate/up tensors and the capacity-limited routers (NLLB-MoE, Switch) are refused with
+an `UnsupportedModelError` naming the difference.
 
-* `apply_moe_ops(model)` patches every supported sparse MoE block of one model instance: its router
-  (`block.gate`) runs `moe.route` with the family's exact routing arguments and its experts
-  (`block.experts`) run `moe.dispatch`. The block's own forward (shared experts, jitter noise,
-  reshapes) is untouched, so its return value and the router outputs recorded for the auxiliary loss
-  (`output_router_logits=True`) are those of transformers. `apply_moe_ops()` (no model) patches the
-  classes instead, for every model of these families, built before or after. `revert_moe_ops`
-  undoes either. Supported: Mixtral, Qwen2-MoE (sigmoid-gated shared expert), Qwen3-MoE, OLMoE,
-  DeepSeek-V3 (sigmoid scores, `e_score_correction_bias`, group-limited top-k,
-  `routed_scaling_factor`, shared experts; the first `first_k_dense_replace` dense layers are left
-  alone).
+Two routes, both zero-copy:
+
 * `model.set_experts_implementation("moe_ops")` (or `from_pretrained(...,
-  experts_implementation="moe_ops")`): transformers' own router, experts through `moe.dispatch`, for
-  every `@use_experts_implementation` model with the standard layout. `import moe_ops` registers it
-  (`register_experts_interface`).
+  experts_implementation="moe_ops")`): transformers' own router, experts through `moe.dispatch`.
+  `import moe_ops` registers it (`register_experts_interface`).
+* `apply_moe_ops(model)` patches every covered experts module of one model instance and, for the
+  families whose routing is one `moe.route` call (`_hf_routers.ROUTER_KINDS`: softmax then top-k,
+  top-k then softmax with gpt-oss's router bias, DeepSeek-V3/GLM-4-MoE sigmoid with groups and a
+  correction bias, Llama 4's top-1 sigmoid...), their router; other routers (PhiMoE's sparsemixer,
+  ERNIE 4.5's, DeepSeek-V2's group-limited greedy...) stay transformers' torch code. Blocks,
+  shared experts and their gates stay transformers' code, so the recorded router logits and the
+  auxiliary loss are unchanged. `apply_moe_ops()` (no model) patches the classes instead; a
+  model's explicit `set_experts_implementation(...)` still takes effect under it. `revert_moe_ops`
+  undoes either.
 
-Works with transformers 5.x (checked against 5.17 and 5.24).
+Works with transformers 5.x (tested with 5.17, the GPU machine's version, and 5.25).
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import sys
 import types
-from dataclasses import dataclass
-from typing import Callable
+import warnings
 
 import torch
-import torch.nn.functional as F
 
 import moe_ops.ops  # noqa: F401  (registers torch.ops.moe.*)
 
+from . import _hf_routers
+from ._hf_layouts import ExpertsLayout, UnsupportedModelError, experts_layout
+from ._hf_routers import ROUTER_FUNCTIONS, router_forward_for
+
 __all__ = [
     "EXPERTS_IMPLEMENTATION",
+    "ExpertsLayout",
     "SUPPORTED_FAMILIES",
     "UnsupportedModelError",
     "apply_moe_ops",
     "check_experts_layout",
+    "experts_layout",
     "is_patched",
     "moe_ops_experts_forward",
     "register_experts_interface",
@@ -49,83 +60,16 @@ __all__ = [
 EXPERTS_IMPLEMENTATION = "moe_ops"
 
 
-class UnsupportedModelError(ValueError):
-    """The model, or one of its MoE modules, has no moe_ops path (unknown family or an experts
-    layout outside the contract: transposed, interleaved, biased, non-SwiGLU, quantized...)."""
-
-
 # ----------------------------------------------------------------------------------------------
 # Experts
 
 
-def _default_apply_gate():
-    try:
-        from transformers.integrations import moe as hf_moe
-    except ImportError:
-        return None
-    return getattr(hf_moe, "_default_apply_gate", None)
-
-
-def _is_silu(act) -> bool:
-    if act is F.silu or isinstance(act, torch.nn.SiLU):
-        return True
-    # transformers.activations.SiLUActivation (ACT2FN["silu"]) computes F.silu.
-    return type(act).__name__ == "SiLUActivation"
-
-
-_OK_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-
-
 def check_experts_layout(experts: torch.nn.Module, where: str | None = None) -> None:
-    """Raises `UnsupportedModelError` unless `experts` holds the layout `moe.dispatch` computes:
-    `gate_up_proj` `[E, 2I, H]` (gate rows first, not interleaved, not transposed), `down_proj`
-    `[E, H, I]`, no biases, no post-expert norm, SiLU-gated (SwiGLU) experts, float weights."""
-    problems = []
-    w13 = getattr(experts, "gate_up_proj", None)
-    w2 = getattr(experts, "down_proj", None)
-    if not getattr(experts, "has_gate", True) or not isinstance(w13, torch.Tensor):
-        problems.append("no fused gate_up_proj (ungated experts, has_gate=False)")
-    if not isinstance(w2, torch.Tensor):
-        problems.append("no down_proj tensor")
-    if not getattr(experts, "is_concatenated", True):
-        problems.append("interleaved gate/up rows (is_concatenated=False)")
-    if getattr(experts, "is_transposed", False) or getattr(experts, "experts_are_transposed", False):
-        problems.append("transposed expert weights (is_transposed=True)")
-    if (getattr(experts, "has_bias", False) or getattr(experts, "gate_up_proj_bias", None) is not None
-            or getattr(experts, "down_proj_bias", None) is not None):
-        problems.append("expert biases (has_bias=True)")
-    if getattr(experts, "has_post_expert_norm", False):
-        problems.append("a post-expert norm (has_post_expert_norm=True)")
-    gate_fn = getattr(type(experts), "_apply_gate", None)
-    if gate_fn is not None and gate_fn is not _default_apply_gate():
-        problems.append(f"custom gating {type(experts).__name__}._apply_gate (e.g. GPT-OSS's clamped SwiGLU)")
-    act = getattr(experts, "act_fn", None)
-    if act is None:
-        problems.append("no act_fn")
-    elif not _is_silu(act):
-        problems.append(f"activation {type(act).__name__} (only SiLU, i.e. SwiGLU experts)")
-    if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor):
-        if w13.dim() != 3 or w2.dim() != 3:
-            problems.append(
-                f"weights of rank {w13.dim()}/{w2.dim()} (expected 3-D gate_up_proj and down_proj)")
-        elif not (w13.shape[0] == w2.shape[0] and w13.shape[1] == 2 * w2.shape[2]
-                  and w13.shape[2] == w2.shape[1]):
-            problems.append(
-                f"gate_up_proj {tuple(w13.shape)} / down_proj {tuple(w2.shape)} are not "
-                "[E, 2I, H] / [E, H, I]")
-        for name, w in (("gate_up_proj", w13), ("down_proj", w2)):
-            if w.dtype not in _OK_DTYPES:
-                problems.append(f"{name} dtype {w.dtype} (quantized experts are not covered)")
-            elif w.dtype == torch.float64 and w.device.type not in ("cpu", "meta"):
-                problems.append(
-                    f"{name} float64 on {w.device} (moe.dispatch runs float64 on the CPU only, "
-                    "through its reference; on the GPU use bfloat16, float16 or float32)")
-    if problems:
-        at = f" ({where})" if where else ""
-        raise UnsupportedModelError(
-            f"moe_ops: {type(experts).__name__}{at} has an experts layout that moe.dispatch does not "
-            f"cover: {'; '.join(problems)}. moe.dispatch needs gate_up_proj [E, 2I, H] (gate rows "
-            "first), down_proj [E, H, I], no biases and SiLU-gated (SwiGLU) experts.")
+    """Raises `UnsupportedModelError` unless `moe.dispatch` computes this experts module: gated
+    experts with `gate_up_proj` `[E, 2I, H]` or transposed `[E, H, 2I]` (`is_transposed`), the
+    gate/up halves concatenated or interleaved, optional biases, SiLU / GELU (erf or tanh) / ReLU
+    gating or gpt-oss's clamped SwiGLU, float weights. The message names every difference."""
+    experts_layout(experts, where)
 
 
 def _per_token(t, T):
@@ -135,16 +79,23 @@ def _per_token(t, T):
     return t.reshape(T, t.shape[-1]) if t.dim() >= 2 else t.reshape(T, -1)
 
 
-def _dispatch_experts(self, hidden_states, top_k_index, top_k_weights):
-    w13, w2 = self.gate_up_proj, self.down_proj
+def _dispatch(layout: ExpertsLayout, x, weights, ids):
+    return torch.ops.moe.dispatch(x, layout.w13, layout.w2, weights, ids, layout.activation,
+                                  **layout.dispatch_kwargs())
+
+
+def _dispatch_experts(self, hidden_states, top_k_index, top_k_weights, layout=None):
+    if layout is None:
+        layout = experts_layout(self)
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
-    if x.dtype != w13.dtype:  # e.g. under autocast
-        x = x.to(w13.dtype)
+    if x.dtype != layout.w13.dtype:  # e.g. under autocast
+        x = x.to(layout.w13.dtype)
     T = x.shape[0]
+    E = layout.w13.shape[0]
     ids = _per_token(top_k_index, T)
     weights = _per_token(top_k_weights, T)
-    if weights.shape[1] != ids.shape[1] and weights.shape[1] == w13.shape[0]:
+    if weights.shape[1] != ids.shape[1] and weights.shape[1] == E:
         # [T, E] dense routing weights (older DeepSeek-V2 style): pick the selected ones.
         weights = weights.gather(1, ids.long())
     if weights.dtype != torch.float32 and weights.dtype != x.dtype:
@@ -152,23 +103,40 @@ def _dispatch_experts(self, hidden_states, top_k_index, top_k_weights):
     if getattr(self, "_is_expert_parallel", False):
         # transformers' expert parallelism marks experts of other ranks with ids >= local E;
         # moe.dispatch's sentinel is any id < 0.
-        ids = torch.where(ids < w13.shape[0], ids, torch.full_like(ids, -1))
-    out = torch.ops.moe.dispatch(x, w13, w2, weights, ids, "silu")
+        ids = torch.where(ids < E, ids, torch.full_like(ids, -1))
+    out = _dispatch(layout, x, weights, ids)
     return out.to(hidden_states.dtype).reshape(shape)
 
 
 def moe_ops_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The `"moe_ops"` experts implementation: `fn(experts_module, hidden_states [T, H],
     top_k_index [T, K], top_k_weights [T, K]) -> [T, H]` through `torch.ops.moe.dispatch`, reading
-    the module's `gate_up_proj` / `down_proj` in place. Raises `UnsupportedModelError` for layouts
-    outside the contract (GPT-OSS: transposed, interleaved, biased, clamped SwiGLU)."""
-    check_experts_layout(self)
+    the module's own expert tensors (transposed views where the module stores them transposed).
+    Raises `UnsupportedModelError` naming the difference for layouts the op does not compute."""
     return _dispatch_experts(self, hidden_states, top_k_index, top_k_weights)
 
 
 def _patched_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     # Installed by apply_moe_ops(model), which checked the layout once.
     return _dispatch_experts(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _llama4_moe_forward(self, hidden_states):
+    """Llama4TextMoe: transformers' router (its top-1 sigmoid, recorded for output_router_logits)
+    gives the logits; moe.route recomputes the selection from them (sigmoid scores, no
+    renormalisation) and moe.dispatch scales each token by its weight before the experts
+    (weights_on_input), as Llama 4 does; the shared expert is added as transformers adds it."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    _, router_logits = self.router(hidden_states)
+    weights, ids = torch.ops.moe.route(router_logits.reshape(-1, router_logits.shape[-1]),
+                                       int(self.top_k), "sigmoid", False, None, 1, 1, 1.0)
+    layout = experts_layout(self.experts)
+    x = hidden_states if hidden_states.dtype == layout.w13.dtype else hidden_states.to(layout.w13.dtype)
+    # Llama 4 rounds the weight to the logits' dtype before scaling the tokens by it.
+    routed = _dispatch(layout, x, weights.to(router_logits.dtype), ids)
+    out = self.shared_expert(hidden_states)
+    out.add_(routed.to(out.dtype))
+    return out, router_logits
 
 
 def register_experts_interface() -> bool:
@@ -196,87 +164,34 @@ def register_experts_interface() -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# Routers: each returns what the transformers router returns, (router_logits, top-k weights,
-# top-k ids), so the block's forward and the router-logits recording hooks see no difference.
-# The ids come back int32 (moe.route's dtype; transformers' routers give int64).
+# Families
 
-
-def _mixtral_router_forward(self, hidden_states):
-    # softmax (float32) -> top-k -> renormalise; weights stay float32.
-    hidden_states = hidden_states.reshape(-1, self.weight.shape[1])
-    router_logits = F.linear(hidden_states, self.weight)
-    weights, ids = torch.ops.moe.route(router_logits, int(self.top_k), "softmax", True, None, 1, 1, 1.0)
-    return router_logits, weights, ids
-
-
-def _qwen_router_forward(self, hidden_states):
-    # Qwen2-MoE, Qwen3-MoE, OLMoE: softmax (float32) -> top-k -> renormalise only if
-    # norm_topk_prob; weights cast back to the logits' dtype.
-    hidden_states = hidden_states.reshape(-1, self.weight.shape[1])
-    router_logits = F.linear(hidden_states, self.weight)
-    weights, ids = torch.ops.moe.route(router_logits, int(self.top_k), "softmax",
-                                       bool(self.norm_topk_prob), None, 1, 1, 1.0)
-    return router_logits, weights.to(router_logits.dtype), ids
-
-
-def _deepseek_v3_router_forward(self, hidden_states):
-    # float32 logits; sigmoid scores; selection on scores + e_score_correction_bias, limited to the
-    # topk_group best of n_group groups (a group scores the sum of its two best); weights are the
-    # unbiased scores, renormalised if norm_topk_prob, times routed_scaling_factor.
-    hidden_states = hidden_states.reshape(-1, self.weight.shape[1])
-    router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
-    num_groups = int(self.num_group or 1)
-    topk_groups = int(self.topk_group or num_groups)
-    weights, ids = torch.ops.moe.route(
-        router_logits, int(self.top_k), "sigmoid", bool(self.norm_topk_prob),
-        self.e_score_correction_bias, num_groups, topk_groups, float(self.routed_scaling_factor))
-    return router_logits, weights, ids
-
-
-@dataclass(frozen=True)
-class _Family:
-    name: str
-    module: str  # transformers.models.<module>.modeling_<module>
-    block: str
-    router: str
-    experts: str
-    router_forward: Callable
-    router_attrs: tuple
-
-    def classes(self):
-        """(block, router, experts) classes, or None where this transformers lacks them."""
-        try:
-            mod = importlib.import_module(f"transformers.models.{self.module}.modeling_{self.module}")
-            return tuple(getattr(mod, n) for n in (self.block, self.router, self.experts))
-        except (ImportError, AttributeError):
-            return None
-
-
-_SOFTMAX_ATTRS = ("weight", "top_k")
-_QWEN_ATTRS = ("weight", "top_k", "norm_topk_prob")
-_DSV3_ATTRS = ("weight", "top_k", "norm_topk_prob", "e_score_correction_bias", "num_group",
-               "topk_group", "routed_scaling_factor")
-
-_FAMILIES = (
-    _Family("Mixtral", "mixtral", "MixtralSparseMoeBlock", "MixtralTopKRouter", "MixtralExperts",
-            _mixtral_router_forward, _SOFTMAX_ATTRS),
-    _Family("Qwen2-MoE", "qwen2_moe", "Qwen2MoeSparseMoeBlock", "Qwen2MoeTopKRouter",
-            "Qwen2MoeExperts", _qwen_router_forward, _QWEN_ATTRS),
-    _Family("Qwen3-MoE", "qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter",
-            "Qwen3MoeExperts", _qwen_router_forward, _QWEN_ATTRS),
-    _Family("OLMoE", "olmoe", "OlmoeSparseMoeBlock", "OlmoeTopKRouter", "OlmoeExperts",
-            _qwen_router_forward, _QWEN_ATTRS),
-    _Family("DeepSeek-V3", "deepseek_v3", "DeepseekV3MoE", "DeepseekV3TopkRouter",
-            "DeepseekV3Experts", _deepseek_v3_router_forward, _DSV3_ATTRS),
+# The families with the experts interface whose routers apply_moe_ops also replaces (README
+# table); every other @use_experts_implementation family runs its experts on moe.dispatch under
+# its own router, or is refused naming the difference.
+SUPPORTED_FAMILIES = (
+    "Mixtral", "MiniMax", "Qwen2-MoE", "Qwen3-MoE", "Qwen3-Next", "Qwen3.5-MoE", "Qwen3-VL-MoE",
+    "Qwen3-Omni-MoE", "OLMoE", "FlexOlmo", "DeepSeek-V2", "DeepSeek-V3", "GLM-4-MoE", "gpt-oss",
+    "Aria", "Llama 4", "GraniteMoE", "Jamba",
 )
 
-SUPPORTED_FAMILIES = tuple(f.name for f in _FAMILIES)
+_LLAMA4_BLOCK = ("llama4", "Llama4TextMoe")
+
+
+def _is_decorated_experts(module) -> bool:
+    """An experts module of a `@use_experts_implementation` class (the decorator's __init__ sets
+    these attributes on every instance)."""
+    return (hasattr(module, "has_gate") and hasattr(module, "is_transposed")
+            and hasattr(type(module), "_apply_gate"))
+
+
+def _is_llama4_block(module) -> bool:
+    cls = type(module)
+    return cls.__name__ == _LLAMA4_BLOCK[1] and cls.__module__.startswith("transformers.models.llama4")
+
+
 # The functions apply_moe_ops(model) installs (as functools.partial(fn, module)).
-_PATCH_FUNCTIONS = frozenset([_patched_experts_forward, *(f.router_forward for f in _FAMILIES)])
-
-
-def _supported_blocks_text():
-    return ", ".join(f"{f.name} ({f.block})" for f in _FAMILIES)
+_PATCH_FUNCTIONS = frozenset([_patched_experts_forward, _llama4_moe_forward, *ROUTER_FUNCTIONS])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,65 +260,94 @@ def _unpatch_instance(module):
         return
 
 
-def _family_of(module, loaded):
-    for fam, classes in loaded:
-        if isinstance(module, classes[0]):
-            return fam, classes
-    return None
-
-
-def _loaded_families():
-    return [(fam, c) for fam in _FAMILIES if (c := fam.classes()) is not None]
+# MoE modules of transformers families outside the experts interface that moe.dispatch does not
+# compute, with the difference.
+_NOT_COVERED = {
+    "DogeCDMoE": "Doge's DogeCDMoE retrieves single-neuron experts by product keys; it is not a "
+                 "top-k over gated MLP experts",
+    "JetMoeMoE": "JetMoe's JetMoeParallelExperts hold ungated per-expert linear maps (also used by "
+                 "its mixture of attention heads), not [E, 2I, H] gated experts",
+    "NllbMoeSparseMLP": "NllbMoe's NllbMoeSparseMLP routes with an expert capacity (tokens past it "
+                        "are dropped) to ungated ReLU experts held as separate modules",
+    "SwitchTransformersSparseMLP": "SwitchTransformers' SwitchTransformersSparseMLP routes with an "
+                                   "expert capacity (tokens past it are dropped) to ungated "
+                                   "experts held as separate modules",
+    "VitPoseNaiveMoe": "VitPose's VitPoseNaiveMoe picks the expert by dataset index, not by "
+                       "routing tokens",
+}
 
 
 def _plan(model):
-    """[(router module, experts module, family)] for every supported block; validates everything
-    before anything is patched."""
-    loaded = _loaded_families()
+    """[(module, forward attribute, patch function)] for every module apply_moe_ops(model)
+    replaces; validates everything before anything is patched."""
+    parents = {}
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            parents.setdefault(id(child), (module, f"{name}.{child_name}" if name else child_name))
     plan = []
-    for name, block in model.named_modules():
-        hit = _family_of(block, loaded)
-        if hit is None:
+    seen = set()
+    for name, module in model.named_modules():
+        where = name or type(module).__name__
+        if _is_llama4_block(module):
+            experts_layout(module.experts, f"{where}.experts")
+            plan.append((module, _forward_attr(module, where), _llama4_moe_forward))
+            seen.add(id(module.experts))
             continue
-        fam, (_, router_cls, experts_cls) = hit
-        where = name or type(block).__name__
-        router = getattr(block, "gate", None)
-        experts = getattr(block, "experts", None)
-        if not isinstance(router, router_cls) or not isinstance(experts, experts_cls):
-            raise UnsupportedModelError(
-                f"moe_ops: {fam.name} block {where} does not have the expected structure "
-                f"(gate: {router_cls.__name__}, experts: {experts_cls.__name__}); found gate "
-                f"{type(router).__name__}, experts {type(experts).__name__}.")
-        missing = [a for a in fam.router_attrs if not hasattr(router, a)]
-        if missing:
-            raise UnsupportedModelError(
-                f"moe_ops: {type(router).__name__} ({where}.gate) lacks {missing}; this transformers "
-                "version's router is not the one moe_ops knows.")
-        check_experts_layout(experts, f"{where}.experts")
-        if router.weight.shape[0] != experts.gate_up_proj.shape[0]:
-            raise UnsupportedModelError(
-                f"moe_ops: {where}: the router scores {router.weight.shape[0]} experts but the experts "
-                f"module holds {experts.gate_up_proj.shape[0]} (expert parallelism is not covered by "
-                "apply_moe_ops; use set_experts_implementation('moe_ops')).")
-        plan.append((router, _forward_attr(router, f"{where}.gate"), experts,
-                     _forward_attr(experts, f"{where}.experts"), fam))
+        if id(module) in seen:
+            continue
+        if type(module).__name__ == "DbrxExperts" or _is_decorated_experts(module):
+            layout = experts_layout(module, where)
+            plan.append((module, _forward_attr(module, where), _patched_experts_forward))
+            parent = parents.get(id(module))
+            if parent is None:
+                continue
+            block, block_where = parent[0], parent[1].rsplit(".", 1)[0] if "." in parent[1] else ""
+            for attr in ("gate", "router"):
+                router = getattr(block, attr, None)
+                if not isinstance(router, torch.nn.Module) or router_forward_for(router) is None:
+                    continue
+                rwhere = f"{block_where}.{attr}" if block_where else attr
+                if router.weight.shape[0] != layout.w13.shape[0]:
+                    raise UnsupportedModelError(
+                        f"moe_ops: {where}: the router {rwhere} scores {router.weight.shape[0]} "
+                        f"experts but the experts module holds {layout.w13.shape[0]} (expert "
+                        "parallelism is not covered by apply_moe_ops; use "
+                        "set_experts_implementation('moe_ops')).")
+                plan.append((router, _forward_attr(router, rwhere), router_forward_for(router)))
+                break
     if not plan:
+        for m in model.modules():
+            reason = _NOT_COVERED.get(type(m).__name__)
+            if reason is not None and type(m).__module__.startswith("transformers."):
+                raise UnsupportedModelError(
+                    f"apply_moe_ops: {type(model).__name__} is not covered: {reason}.")
         moe_like = sorted({type(m).__name__ for m in model.modules()
                            if any(s in type(m).__name__.lower() for s in ("moe", "expert", "router"))})
         found = f" It has MoE-like modules {moe_like}, which moe_ops does not know." if moe_like else ""
         raise UnsupportedModelError(
             f"apply_moe_ops: {type(model).__name__} has no supported sparse MoE block.{found} "
-            f"Supported: {_supported_blocks_text()}. Models whose experts use transformers' "
-            "@use_experts_implementation standard layout can use "
-            "model.set_experts_implementation('moe_ops') instead.")
+            "moe_ops runs the experts of transformers' @use_experts_implementation classes (with "
+            f"moe.route for the routers of {', '.join(SUPPORTED_FAMILIES)}) and Llama 4's "
+            "Llama4TextMoe.")
     return plan
 
 
 # ----------------------------------------------------------------------------------------------
-# Class patching
+# Class patching: apply_moe_ops() without a model.
+#
+# Routers: the listed router classes get the moe.route forward; Llama4TextMoe its block forward.
+# Experts: the @use_experts_implementation classes already dispatch through transformers'
+# ExpertsInterface at every call (`get_interface(config._experts_implementation, eager)`). The
+# class route wraps that lookup instead of replacing the experts' forward, so that the model's
+# own choice still counts: an implementation the user picked (set_experts_implementation, or
+# experts_implementation= in from_pretrained / the config) while the patch is on runs as chosen,
+# and otherwise (transformers' default) the experts run moe_ops, or transformers' default where
+# moe.dispatch does not compute the layout (warned once per class).
 
-_ABSENT = object()
-_CLASS_SAVED: dict = {}  # class -> its own previous `forward` (or _ABSENT)
+_ABSENT = _hf_routers.ABSENT
+_CLASS_SAVED = _hf_routers.CLASS_SAVED  # class -> its own previous `forward` (or _ABSENT)
+_GLOBAL_SAVED: dict = {}  # (object, attribute) -> previous value (or _ABSENT)
+_FELL_BACK: set = set()  # experts classes already warned about
 
 
 def _patch_class(cls, fn):
@@ -413,6 +357,14 @@ def _patch_class(cls, fn):
     cls.forward = fn
 
 
+def _patch_attr(obj, attr, value):
+    key = (id(obj), attr)
+    if key in _GLOBAL_SAVED:
+        return
+    _GLOBAL_SAVED[key] = (obj, vars(obj).get(attr, _ABSENT))
+    setattr(obj, attr, value)
+
+
 def _revert_classes():
     for cls, prev in list(_CLASS_SAVED.items()):
         if prev is _ABSENT:
@@ -420,6 +372,115 @@ def _revert_classes():
         else:
             cls.forward = prev
         del _CLASS_SAVED[cls]
+    for key, (obj, prev) in list(_GLOBAL_SAVED.items()):
+        if prev is _ABSENT:
+            delattr(obj, key[1])
+        else:
+            setattr(obj, key[1], prev)
+        del _GLOBAL_SAVED[key]
+    _FELL_BACK.clear()
+
+
+class _ChosenImplementation(str):
+    """An experts implementation name the user chose while the class route is on. It equals the
+    plain name everywhere transformers compares or prints it; only the class route tells it apart
+    from transformers' default. A str subclass survives the config copies from_pretrained makes
+    (a registry keyed by the config object would not)."""
+
+    __slots__ = ()
+
+
+def _mark_choice(config) -> None:
+    impl = getattr(config, "_experts_implementation_internal", None)
+    if isinstance(impl, str) and not isinstance(impl, _ChosenImplementation):
+        config._experts_implementation_internal = _ChosenImplementation(impl)
+
+
+def _class_route_experts(chosen_fn, impl, self, *args, **kwargs):
+    if impl == EXPERTS_IMPLEMENTATION or isinstance(impl, _ChosenImplementation):
+        return chosen_fn(self, *args, **kwargs)
+    try:
+        layout = experts_layout(self)
+    except UnsupportedModelError as e:
+        if type(self) not in _FELL_BACK:
+            _FELL_BACK.add(type(self))
+            warnings.warn(f"{e} apply_moe_ops() leaves these experts to transformers' "
+                          f"{impl or 'eager'} implementation.", stacklevel=2)
+        return chosen_fn(self, *args, **kwargs)
+    return _dispatch_experts(self, *args, layout=layout, **kwargs)
+
+
+def _wrap_get_interface(orig):
+    def get_interface(experts_implementation, default):
+        chosen_fn = orig(experts_implementation, default)
+        return functools.partial(_class_route_experts, chosen_fn, experts_implementation)
+    return get_interface
+
+
+def _wrap_set_experts_implementation(orig):
+    @functools.wraps(orig)
+    def set_experts_implementation(self, experts_implementation):
+        configs = [m.config for m in self.modules()
+                   if hasattr(m, "set_experts_implementation") and getattr(m, "config", None) is not None]
+        # transformers switches implementations itself (generate() runs the decode on
+        # "batched_mm" instead of "grouped_mm" on GPUs, then switches back): such a call keeps
+        # each config's chosen-or-default status; only a call from outside transformers is a choice.
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        internal = caller == "transformers" or caller.startswith("transformers.")
+        was_chosen = [isinstance(getattr(c, "_experts_implementation_internal", None),
+                                 _ChosenImplementation) for c in configs]
+        out = orig(self, experts_implementation)
+        for cfg, chosen in zip(configs, was_chosen):
+            if not internal or chosen:
+                _mark_choice(cfg)
+            else:
+                impl = getattr(cfg, "_experts_implementation_internal", None)
+                if isinstance(impl, _ChosenImplementation):
+                    cfg._experts_implementation_internal = str(impl)
+        return out
+    return set_experts_implementation
+
+
+def _wrap_config_property(prop):
+    def fset(self, value):
+        prop.fset(self, value)  # (recurses into the sub-configs through this same property)
+        if value is not None:
+            _mark_choice(self)
+    return property(prop.fget, fset, prop.fdel, prop.__doc__)
+
+
+def _patch_experts_classes() -> bool:
+    try:
+        from transformers import PretrainedConfig, PreTrainedModel
+        from transformers.integrations import moe as hf_moe
+    except ImportError:
+        return False
+    interface = getattr(hf_moe, "ALL_EXPERTS_FUNCTIONS", None)
+    if interface is None or not hasattr(interface, "get_interface"):
+        return False
+    register_experts_interface()
+    _patch_attr(interface, "get_interface", _wrap_get_interface(interface.get_interface))
+    if hasattr(PreTrainedModel, "set_experts_implementation"):
+        _patch_attr(PreTrainedModel, "set_experts_implementation",
+                    _wrap_set_experts_implementation(PreTrainedModel.set_experts_implementation))
+    prop = vars(PretrainedConfig).get("_experts_implementation")
+    if isinstance(prop, property) and prop.fset is not None:
+        _patch_attr(PretrainedConfig, "_experts_implementation", _wrap_config_property(prop))
+    return True
+
+
+def _router_classes():
+    """[(router class, moe.route forward)] of the listed families this transformers has."""
+    out = []
+    for name, module in _hf_routers.ROUTER_MODULES.items():
+        try:
+            mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        except ImportError:
+            continue
+        cls = getattr(mod, name, None)
+        if isinstance(cls, type):
+            out.append((cls, _hf_routers._BY_NAME[name]))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,52 +488,84 @@ def _revert_classes():
 
 
 def apply_moe_ops(model: torch.nn.Module | None = None, *, expert_parallel_group=None):
-    """Runs the sparse MoE blocks on `moe.route` + `moe.dispatch`.
+    """Runs the MoE layers on `moe.route` + `moe.dispatch`.
 
-    With `model`: patches the router and experts of every supported block of that instance (any
-    dtype or device, weights used in place) and returns the model. Raises `UnsupportedModelError`
-    naming the model class if it has no supported block, or naming the module whose layout is not
-    covered; nothing is patched then. Patching twice is harmless.
+    With `model`: patches every experts module of that instance that transformers dispatches
+    through its experts interface (and Llama 4's MoE blocks), plus the router of every family
+    whose routing moe.route computes (any dtype or device, weights used in place, never copied),
+    and returns the model. Raises `UnsupportedModelError` naming the model class if it has no MoE
+    module moe_ops knows, or naming the module and the difference if one of its experts modules
+    has a layout moe.dispatch does not compute; nothing is patched then. Patching twice is
+    harmless.
 
-    Without a model: patches the router and experts classes of every supported family, so every
-    model of these families (built before or after) uses moe_ops until `revert_moe_ops()`; the
-    experts' layout is then checked at each call. Returns None.
+    Without a model: patches the classes, for every model built before or after, until
+    `revert_moe_ops()`: the listed routers run moe.route, and the experts run moe.dispatch unless
+    the model's experts implementation was chosen explicitly (`set_experts_implementation`,
+    `experts_implementation=`) while the patch is on, or the layout is one moe.dispatch does not
+    compute (then transformers' implementation runs, with a warning). Returns None.
 
     `expert_parallel_group` (with a model; a torch.distributed ProcessGroup, or a
     `moe_ops.distributed.ExpertParallelConfig` for other options than the all-to-all default):
     every rank keeps only its shard of each experts module and runs it with
     `moe_ops.distributed.expert_parallel_dispatch` (see `moe_ops.distributed.shard_experts_module`).
-    A collective: every rank of the group calls it."""
+    A collective: every rank of the group calls it. Expert parallelism covers the Mixtral layout
+    (gate-first `[E, 2I, H]` SiLU experts without biases); other layouts are refused."""
     if model is None and expert_parallel_group is not None:
         raise ValueError("apply_moe_ops: expert_parallel_group needs a model instance")
     if model is None:
-        loaded = _loaded_families()
-        if not loaded:
-            try:
-                import transformers
-            except ImportError:
-                raise ImportError("apply_moe_ops() patches transformers' MoE classes, and "
-                                  "transformers is not installed: pip install 'moe_ops[hf]' "
-                                  "(transformers >= 5.0)") from None
-
+        try:
+            import transformers
+        except ImportError:
+            raise ImportError("apply_moe_ops() patches transformers' MoE classes, and "
+                              "transformers is not installed: pip install 'moe_ops[hf]' "
+                              "(transformers >= 5.0)") from None
+        if not _patch_experts_classes():
             raise UnsupportedModelError(
-                f"apply_moe_ops: transformers {transformers.__version__} has none of the supported "
-                f"MoE blocks ({_supported_blocks_text()}).")
-        for fam, (_, router_cls, experts_cls) in loaded:
-            _patch_class(router_cls, fam.router_forward)
-            _patch_class(experts_cls, moe_ops_experts_forward)
+                f"apply_moe_ops: transformers {transformers.__version__} has no experts interface "
+                "(transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS); moe_ops needs transformers "
+                ">= 5.0.")
+        for cls, fn in _router_classes():
+            _patch_class(cls, fn)
+        try:
+            mod = importlib.import_module("transformers.models.llama4.modeling_llama4")
+            _patch_class(getattr(mod, _LLAMA4_BLOCK[1]), _llama4_moe_forward)
+        except (ImportError, AttributeError):
+            pass
         return None
     _check_module("apply_moe_ops", model)
     plan = _plan(model)
-    for router, router_attr, experts, experts_attr, fam in plan:
-        _patch_instance(router, fam.router_forward, router_attr)
-        _patch_instance(experts, _patched_experts_forward, experts_attr)
+    if expert_parallel_group is not None:
+        _check_expert_parallel(plan)
+    for module, attr, fn in plan:
+        _patch_instance(module, fn, attr)
     if expert_parallel_group is not None:
         from moe_ops.distributed import shard_experts_module
 
-        for _, _, experts, experts_attr, _ in plan:
-            shard_experts_module(experts, expert_parallel_group, forward_attr=experts_attr)
+        for module, attr, fn in plan:
+            if fn is _patched_experts_forward:
+                shard_experts_module(module, expert_parallel_group, forward_attr=attr)
     return model
+
+
+def _check_expert_parallel(plan) -> None:
+    """moe_ops.distributed shards and dispatches gate_up_proj [E, 2I, H] / down_proj [E, H, I]
+    SiLU experts: refuse every other layout before anything is patched."""
+    for module, _, fn in plan:
+        if fn is _llama4_moe_forward:
+            raise UnsupportedModelError(
+                f"apply_moe_ops: expert parallelism does not cover {type(module).__name__} "
+                "(Llama 4: the routing weight multiplies the experts' input).")
+        if fn is not _patched_experts_forward:
+            continue
+        layout = experts_layout(module)
+        if (layout.activation != "silu" or layout.dispatch_kwargs()
+                or layout.w13 is not module.gate_up_proj):
+            raise UnsupportedModelError(
+                f"apply_moe_ops: expert parallelism covers gate-first [E, 2I, H] SiLU experts "
+                f"without biases; {type(module).__name__} is {layout.activation}-gated"
+                f"{', biased' if layout.w13_bias is not None else ''}"
+                f"{', interleaved' if layout.gate_up_interleaved else ''}"
+                f"{', transposed' if layout.w13 is not module.gate_up_proj else ''}.")
 
 
 def revert_moe_ops(model: torch.nn.Module | None = None):
@@ -492,7 +585,7 @@ def is_patched(model: torch.nn.Module | None = None) -> bool:
     """Whether `apply_moe_ops` is in effect for this model instance (or, without a model, for the
     classes)."""
     if model is None:
-        return bool(_CLASS_SAVED)
+        return bool(_CLASS_SAVED) or bool(_GLOBAL_SAVED)
     _check_module("is_patched", model)
     return any(_SAVED in m.__dict__ for m in model.modules())
 

@@ -43,7 +43,8 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
                  stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, w_desc=None, USE_TMA: tl.constexpr = False,
-                 TMA_PAIR: tl.constexpr = False):
+                 TMA_PAIR: tl.constexpr = False, INTERLEAVED: tl.constexpr = False,
+                 TMA_TRANS: tl.constexpr = False):
     """(gate, up) pre-activations [BLOCK_M, BLOCK_N] of the rows of tokens `tok` for expert `e`
     and columns pid_n*BLOCK_N.. of I, accumulated in float32 over H. Pointer path: one
     [BLOCK_K, 2*BLOCK_N] weight tile per step, gate columns n0..n0+BN then the matching up columns
@@ -53,12 +54,36 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
     columns are zero-filled, or belong to columns >= I that the caller never stores), two
     products. TMA pair path (USE_TMA and TMA_PAIR, `w_desc` a [E, 2, I, H] view with block
     [1, 2, BLOCK_N, BLOCK_K]): gate and up tiles in one copy (each zero-filled past I) and one
-    N=2*BLOCK_N product, as on the pointer path."""
+    N=2*BLOCK_N product, as on the pointer path. INTERLEAVED: gate row of column n is 2n and its
+    up row 2n+1 (the pointer path, or the pair path over a [E, 2, I, H] view with strides
+    [E, 1, 2, H]-rows; never the two-copy TMA path). TMA transposed path (USE_TMA and TMA_TRANS:
+    w13 a transposed view of [E, H, 2I] storage, gpt-oss's checkpoint layout): `w_desc` is over
+    that storage, block [1, BLOCK_K, 2*BLOCK_N] at columns 2*n0 (INTERLEAVED: gate and up
+    columns alternate) or a [E, H, 2, I] view with block [1, BLOCK_K, 2, BLOCK_N] (gate-first):
+    one [BLOCK_K, 2*BLOCK_N] tile and one product per step, zero-filled past H and 2I."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
     # One branch per path (compile-time): code after a `return` under a constexpr `if` is
     # still compiled, so the 3-offset TMA loads must not follow the 4-D pair descriptor.
-    if USE_TMA and TMA_PAIR:
+    if USE_TMA and TMA_TRANS:
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
+        n0 = pid_n * BLOCK_N
+        e32 = e.to(tl.int32)
+        for k0 in range(0, H, BLOCK_K):
+            k_mask = offs_k < H - k0
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+            if INTERLEAVED:
+                b = tl.reshape(w_desc.load([e32, k0, 2 * n0]), (BLOCK_K, 2 * BLOCK_N))
+            else:
+                b = tl.reshape(w_desc.load([e32, k0, 0, n0]), (BLOCK_K, 2 * BLOCK_N))
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_xh
+        if INTERLEAVED:
+            acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        else:
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)),
+                                               (0, 2, 1)))
+    elif USE_TMA and TMA_PAIR:
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
         n0 = pid_n * BLOCK_N
         e32 = e.to(tl.int32)
@@ -85,7 +110,10 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
     else:
         cols = tl.arange(0, 2 * BLOCK_N)
         is_up = cols >= BLOCK_N
-        w_rows = pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N + I, cols)
+        if INTERLEAVED:
+            w_rows = 2 * (pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N, cols)) + is_up.to(tl.int32)
+        else:
+            w_rows = pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N + I, cols)
         w_mask = (pid_n * BLOCK_N + tl.where(is_up, cols - BLOCK_N, cols)) < I
         w_ptrs = (w_ptr + e * stride_we + w_rows[None, :].to(tl.int64) * stride_wn
                   + offs_k[:, None] * stride_wk)
@@ -99,6 +127,58 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
             w_ptrs += BLOCK_K * stride_wk
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     return acc_g, acc_u
+
+
+ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU, ACT_SWIGLU_OAI = 0, 1, 2, 3, 4
+ACT_CODES = {"silu": ACT_SILU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH, "relu": ACT_RELU,
+             "swiglu_oai": ACT_SWIGLU_OAI}
+
+
+@triton.jit
+def activate(g, u, ACT: tl.constexpr, alpha, limit):
+    """a = act(g, u) in float32 (docs/contract.md): SwiGLU, GeGLU (erf or tanh), ReGLU, or
+    gpt-oss's clamped (u + 1) * g * sigmoid(alpha * g). tanh as 2 sigmoid(2x) - 1 (exact at
+    the ends: exp overflows to inf, giving -1)."""
+    if ACT == 0:
+        a = g / (1.0 + tl.exp(-g)) * u
+    elif ACT == 1:
+        a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * u
+    elif ACT == 2:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * inner))) * u
+    elif ACT == 3:
+        a = tl.maximum(g, 0.0) * u
+    else:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        a = (uc + 1.0) * gc / (1.0 + tl.exp(-alpha * gc))
+    return a
+
+
+@triton.jit
+def gate_up_epilogue(acc_g, acc_u, e, slots, row_valid, offs_n, n_mask, I, top_k,
+                     b_ptr, stride_be, stride_bn, tw_ptr, stride_tw_t, stride_tw_k,
+                     HAS_BIAS: tl.constexpr, WEIGHTS_ON_INPUT: tl.constexpr,
+                     INTERLEAVED: tl.constexpr, ACT: tl.constexpr, alpha, limit):
+    """act = activate(s * [g | u] + b13_e) from the raw products (s: the slot's routing weight
+    with WEIGHTS_ON_INPUT, since W13 (s x) = s (W13 x); applied before the bias)."""
+    if WEIGHTS_ON_INPUT:
+        slots64 = slots.to(tl.int64)
+        tw = tl.load(tw_ptr + (slots64 // top_k) * stride_tw_t + (slots64 % top_k) * stride_tw_k,
+                     mask=row_valid, other=0.0).to(tl.float32)
+        acc_g = acc_g * tw[:, None]
+        acc_u = acc_u * tw[:, None]
+    if HAS_BIAS:
+        if INTERLEAVED:
+            g_col = 2 * offs_n
+            u_col = g_col + 1
+        else:
+            g_col = offs_n
+            u_col = offs_n + I
+        b_row = b_ptr + e * stride_be
+        acc_g += tl.load(b_row + g_col * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_row + u_col * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    return activate(acc_g, acc_u, ACT, alpha, limit)
 
 
 @triton.jit
@@ -138,8 +218,14 @@ def gate_up_kernel(
     USE_TMA: tl.constexpr = False, ids_ptr=None, stride_ik=0, n_experts=0,
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False, TMA_PAIR: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, n_counters=0,
-    BLOCK_C: tl.constexpr = 0,
+    BLOCK_C: tl.constexpr = 0, b_ptr=None, stride_be=0, stride_bn=0, tw_ptr=None, stride_tw_t=0,
+    stride_tw_k=0, HAS_BIAS: tl.constexpr = False, WEIGHTS_ON_INPUT: tl.constexpr = False,
+    INTERLEAVED: tl.constexpr = False, ACT: tl.constexpr = 0, alpha=1.702, limit=7.0,
+    TMA_TRANS: tl.constexpr = False,
 ):
+    """act[row] = activate(s * z + b13_e) with z = W13_e x (the variant arguments: HAS_BIAS,
+    WEIGHTS_ON_INPUT, INTERLEAVED, ACT with alpha and limit; the defaults are SwiGLU on
+    gate-first rows). SAVE_Z stores z itself (raw, in w13's row order)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
@@ -162,13 +248,17 @@ def gate_up_kernel(
                       n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
                       stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
                       DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
-                      DIRECT, USE_PDL, TMA_PAIR, BLOCK_M // 2)
+                      DIRECT, USE_PDL, TMA_PAIR, BLOCK_M // 2, b_ptr, stride_be, stride_bn,
+                      tw_ptr, stride_tw_t, stride_tw_k, HAS_BIAS, WEIGHTS_ON_INPUT, INTERLEAVED,
+                      ACT, alpha, limit, TMA_TRANS)
     else:
         gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                       n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
                       stride_wk, stride_am, z_ptr, stride_z, BLOCK_M, BLOCK_N, BLOCK_K,
                       DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
-                      DIRECT, USE_PDL, TMA_PAIR, BLOCK_M)
+                      DIRECT, USE_PDL, TMA_PAIR, BLOCK_M, b_ptr, stride_be, stride_bn,
+                      tw_ptr, stride_tw_t, stride_tw_k, HAS_BIAS, WEIGHTS_ON_INPUT, INTERLEAVED,
+                      ACT, alpha, limit, TMA_TRANS)
 
 
 @triton.jit
@@ -178,7 +268,10 @@ def gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pi
                   BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SAVE_Z: tl.constexpr,
                   w_desc, USE_TMA: tl.constexpr, ids_ptr, stride_ik, n_experts,
                   DIRECT: tl.constexpr, PDL_LATE: tl.constexpr, TMA_PAIR: tl.constexpr,
-                  TILE_M: tl.constexpr):
+                  TILE_M: tl.constexpr, b_ptr, stride_be, stride_bn, tw_ptr, stride_tw_t,
+                  stride_tw_k, HAS_BIAS: tl.constexpr, WEIGHTS_ON_INPUT: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, ACT: tl.constexpr, alpha, limit,
+                  TMA_TRANS: tl.constexpr):
     """gate_up_kernel's work on the first TILE_M rows of row block pid_m."""
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
                                           stride_ik, n_experts, BLOCK_M, DIRECT, TILE_M)
@@ -188,18 +281,25 @@ def gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pi
     acc_g, acc_u = gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
                                 stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
                                 TILE_M, BLOCK_N, BLOCK_K, DOT_PRECISION, w_desc, USE_TMA,
-                                TMA_PAIR)
+                                TMA_PAIR, INTERLEAVED, TMA_TRANS)
     if PDL_LATE:
         gdc_launch_dependents()
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     rows64 = rows.to(tl.int64)
     m2 = row_valid[:, None] & n_mask[None, :]
+    if SAVE_Z:   # training: keep z = W13_e x per slot (in the input dtype) for the backward
+        if INTERLEAVED:
+            z_ptrs = z_ptr + slots.to(tl.int64)[:, None] * stride_z + 2 * offs_n[None, :]
+            tl.store(z_ptrs, acc_g.to(z_ptr.dtype.element_ty), mask=m2)
+            tl.store(z_ptrs + 1, acc_u.to(z_ptr.dtype.element_ty), mask=m2)
+        else:
+            z_ptrs = z_ptr + slots.to(tl.int64)[:, None] * stride_z + offs_n[None, :]
+            tl.store(z_ptrs, acc_g.to(z_ptr.dtype.element_ty), mask=m2)
+            tl.store(z_ptrs + I, acc_u.to(z_ptr.dtype.element_ty), mask=m2)
+    act = gate_up_epilogue(acc_g, acc_u, e, slots, row_valid, offs_n, n_mask, I, top_k, b_ptr,
+                           stride_be, stride_bn, tw_ptr, stride_tw_t, stride_tw_k, HAS_BIAS,
+                           WEIGHTS_ON_INPUT, INTERLEAVED, ACT, alpha, limit)
     tl.store(act_ptr + rows64[:, None] * stride_am + offs_n[None, :],
              act.to(act_ptr.dtype.element_ty), mask=m2)
-    if SAVE_Z:   # training: keep z = [g | u] per slot (in the input dtype) for the backward
-        z_ptrs = z_ptr + slots.to(tl.int64)[:, None] * stride_z + offs_n[None, :]
-        tl.store(z_ptrs, acc_g.to(z_ptr.dtype.element_ty), mask=m2)
-        tl.store(z_ptrs + I, acc_u.to(z_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
@@ -214,7 +314,8 @@ def down_kernel(
     DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, out_ptr=None, stride_oh=0,
     COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False, a_desc=None, a_desc_half=None,
-    A_TMA: tl.constexpr = False,
+    A_TMA: tl.constexpr = False, b_ptr=None, stride_be=0, stride_bn=0,
+    HAS_BIAS: tl.constexpr = False,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
@@ -228,7 +329,9 @@ def down_kernel(
     programs of an H tile stores its slot's row, then counts itself in counters[pid_n] (zeroed by
     this call's gate_up kernel); the one that counts last sums the K rows in order 0..K-1 in
     float32 into out, exactly as combine_kernel does (bitwise the same result, whichever program
-    is last)."""
+    is last).
+    HAS_BIAS: y[slot] = (weight *) (a W_e^T + b[e]): the bias (w2_bias [E, N]) before the
+    routing weight."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
@@ -243,13 +346,15 @@ def down_kernel(
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                   n_experts, DIRECT, USE_PDL, BLOCK_M // 2, a_desc_half, A_TMA)
+                   n_experts, DIRECT, USE_PDL, BLOCK_M // 2, a_desc_half, A_TMA, b_ptr,
+                   stride_be, stride_bn, HAS_BIAS)
     else:
         down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
-                   n_experts, DIRECT, USE_PDL, BLOCK_M, a_desc, A_TMA)
+                   n_experts, DIRECT, USE_PDL, BLOCK_M, a_desc, A_TMA, b_ptr, stride_be,
+                   stride_bn, HAS_BIAS)
     if COMBINE_K > 0:
         combine_last(y_ptr, ids_ptr, counters_ptr, out_ptr, pid_n, H, n_experts, stride_ik,
                      stride_ym, stride_oh, BLOCK_N, COMBINE_K, FENCE)
@@ -288,7 +393,8 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                w_desc, TMA_LAYOUT: tl.constexpr, ids_ptr, stride_ik, n_experts,
                DIRECT: tl.constexpr, PDL_LATE: tl.constexpr, TILE_M: tl.constexpr,
-               a_desc, A_TMA: tl.constexpr):
+               a_desc, A_TMA: tl.constexpr, b_ptr, stride_be, stride_bn,
+               HAS_BIAS: tl.constexpr):
     """down_kernel's work on the first TILE_M rows of row block pid_m (A_TMA: A tiles through
     `a_desc`, whose block is [TILE_M, BLOCK_K])."""
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
@@ -321,6 +427,9 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
     if PDL_LATE:
         gdc_launch_dependents()
     slots64 = slots.to(tl.int64)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e * stride_be + offs_n * stride_bn, mask=n_mask,
+                       other=0.0).to(tl.float32)[None, :]
     if HAS_WEIGHTS:
         tw = tl.load(weights_ptr + (slots64 // top_k) * stride_tw_t + (slots64 % top_k) * stride_tw_k,
                      mask=row_valid, other=0.0).to(tl.float32)
@@ -399,9 +508,12 @@ def down_combine_one_token_kernel(
     stride_am, stride_we, stride_wn, stride_wk, stride_tw_k, stride_ik, stride_oh,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, w_desc=None, USE_TMA: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, b_ptr=None, stride_be=0, stride_bn=0,
+    HAS_BIAS: tl.constexpr = False, WEIGHTS_ON_INPUT: tl.constexpr = False,
 ):
     """out[0, n-tile] = sum over k in order of topk_weight[k] * act[k*BLOCK_M] @ w2[e_k, n-tile].T
+    (HAS_BIAS: + w2_bias[e_k] before the weight; WEIGHTS_ON_INPUT: no weight here, the gate_up
+    kernel applied it to the input)
     (T == 1, direct rows: slot k's activation row is row block k's first row). The slots with a
     valid id (0 <= id < E) are compacted first, in order: the c-th of them is accumulator row c.
     One loop over (valid slot, I step) pairs, so it is software-pipelined across slots: step
@@ -444,6 +556,13 @@ def down_combine_one_token_kernel(
                       + (k0 + offs_k)[:, None] * stride_wk)
             b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    tw = tl.load(weights_ptr + slot * stride_tw_k, mask=rows < n_valid, other=0.0)
-    y = tl.sum(acc * tw.to(tl.float32)[:, None], axis=0)
+    on = rows < n_valid
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + ids_c.to(tl.int64)[:, None] * stride_be + offs_n[None, :] * stride_bn,
+                       mask=on[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+    if WEIGHTS_ON_INPUT:
+        tw = tl.where(on, 1.0, 0.0)
+    else:
+        tw = tl.load(weights_ptr + slot * stride_tw_k, mask=on, other=0.0).to(tl.float32)
+    y = tl.sum(acc * tw[:, None], axis=0)
     tl.store(out_ptr + offs_n * stride_oh, y.to(out_ptr.dtype.element_ty), mask=n_mask)

@@ -79,8 +79,10 @@ def swiglu_grad_kernel(
 @triton.jit
 def gather_rows_kernel(src_ptr, sorted_ptr, num_rows_ptr, dst_ptr, n_slots, top_k, H,
                        stride_s, stride_sh, stride_d,
-                       BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    """dst[row] = src[slot // top_k] for the aligned rows below num_rows; zeros for padding."""
+                       BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, weights_ptr=None,
+                       stride_tw_t=0, stride_tw_k=0, SCALED: tl.constexpr = False):
+    """dst[row] = src[slot // top_k] for the aligned rows below num_rows; zeros for padding.
+    SCALED: times the slot's routing weight (weights_on_input: the experts' input s x)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     num_rows = tl.load(num_rows_ptr)
     if tl.program_id(0) * BLOCK_R >= num_rows:
@@ -95,6 +97,11 @@ def gather_rows_kernel(src_ptr, sorted_ptr, num_rows_ptr, dst_ptr, n_slots, top_
         h_mask = offs_h < H
         v = tl.load(src_ptr + tok[:, None] * stride_s + offs_h[None, :] * stride_sh,
                     mask=valid[:, None] & h_mask[None, :], other=0.0)
+        if SCALED:
+            slots64 = slots.to(tl.int64)
+            sc = tl.load(weights_ptr + tok * stride_tw_t + (slots64 % top_k) * stride_tw_k,
+                         mask=valid, other=0.0).to(tl.float32)
+            v = (v.to(tl.float32) * sc[:, None]).to(dst_ptr.dtype.element_ty)
         tl.store(dst_ptr + rows64[:, None] * stride_d + offs_h[None, :], v,
                  mask=in_range[:, None] & h_mask[None, :])
 
@@ -304,3 +311,167 @@ def weight_grad_persistent_kernel(
                 acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             j = tl.where(last, j + 1, j)
             step = tl.where(last, 0, step + 1)
+
+
+@triton.jit
+def activate_grad(g, u, ACT: tl.constexpr, alpha, limit):
+    """(a, da/dg, da/du) of expert_gemm.activate, in float32. Clamps pass the gradient inside
+    the closed interval (torch.clamp's convention); relu's derivative at 0 is 0."""
+    if ACT == 0:
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        f = g * sig
+        df = sig * (1.0 + g * (1.0 - sig))
+        a = f * u
+        dadg = u * df
+        dadu = f
+    elif ACT == 1:
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        f = g * cdf
+        df = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+        a = f * u
+        dadg = u * df
+        dadu = f
+    elif ACT == 2:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        t = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+        f = 0.5 * g * (1.0 + t)
+        df = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (
+            1.0 + 0.134145 * g * g)
+        a = f * u
+        dadg = u * df
+        dadu = f
+    elif ACT == 3:
+        f = tl.maximum(g, 0.0)
+        a = f * u
+        dadg = tl.where(g > 0.0, u, 0.0)
+        dadu = f
+    else:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        sg = 1.0 / (1.0 + tl.exp(-alpha * gc))
+        glu = gc * sg
+        a = (uc + 1.0) * glu
+        dadg = tl.where(g <= limit, (uc + 1.0) * (sg + alpha * gc * sg * (1.0 - sg)), 0.0)
+        dadu = tl.where((u >= -limit) & (u <= limit), glu, 0.0)
+    return a, dadg, dadu
+
+
+@triton.jit
+def act_grad_kernel(
+    da_ptr, z_ptr, weights_ptr, sorted_ptr, num_rows_ptr, block_expert_ptr, dz_ptr, sa_ptr,
+    dweights_ptr, b13_ptr, b2_ptr, gos_ptr,
+    n_slots, I, H, top_k, stride_da, stride_z, stride_tw_t, stride_tw_k, stride_dz, stride_sa,
+    stride_dw_t, stride_dw_k, stride_b13e, stride_b13n, stride_b2e, stride_b2n, stride_gos,
+    alpha, limit,
+    BLOCK_M: tl.constexpr, ACT: tl.constexpr, HAS_B13: tl.constexpr, HAS_B2: tl.constexpr,
+    WEIGHTS_ON_INPUT: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """swiglu_grad_kernel for every variant of moe.dispatch. Per aligned row (slot with expert e,
+    weight s): z = W13_e x (raw, w13's row order: gate column c_g and up column c_u of i are i
+    and I + i, or 2i and 2i + 1 when INTERLEAVED), h = (s z if WEIGHTS_ON_INPUT else z) + b13_e,
+    a = act(h_g, h_u). Writes dz[row] = dh (w13's row order), sa[row] = s*a (a with
+    WEIGHTS_ON_INPUT, whose output is not weighted) and d s per slot:
+      weights on the output: ds = <dA, a> + <dO, b2_e>, da = s dA
+      weights on the input:  ds = <dh, z>,              da = dA
+    (dO: grad_out gathered in row order, read only for the w2 bias term). Padding rows get zeros
+    (their loads are masked to 0 and every activation maps (0, 0) to 0 with finite slopes)."""
+    pid = tl.program_id(0)
+    num_rows = tl.load(num_rows_ptr)
+    if pid * BLOCK_R >= num_rows:
+        return
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = rows < num_rows
+    slots = tl.load(sorted_ptr + rows, mask=in_range, other=n_slots)
+    valid = in_range & (slots < n_slots)
+    slots64 = slots.to(tl.int64)
+    rows64 = rows.to(tl.int64)
+    e = tl.load(block_expert_ptr + rows // BLOCK_M, mask=in_range, other=0).to(tl.int64)
+    s = tl.load(weights_ptr + (slots64 // top_k) * stride_tw_t + (slots64 % top_k) * stride_tw_k,
+                mask=valid, other=0.0).to(tl.float32)
+    ds = tl.zeros((BLOCK_R,), tl.float32)
+    for i0 in range(0, I, BLOCK_I):
+        offs = i0 + tl.arange(0, BLOCK_I)
+        i_mask = offs < I
+        m = valid[:, None] & i_mask[None, :]
+        dA = tl.load(da_ptr + slots64[:, None] * stride_da + offs[None, :], mask=m,
+                     other=0.0).to(tl.float32)
+        if INTERLEAVED:
+            g_col = 2 * offs
+            u_col = g_col + 1
+        else:
+            g_col = offs
+            u_col = offs + I
+        z_row = z_ptr + slots64[:, None] * stride_z
+        zg = tl.load(z_row + g_col[None, :], mask=m, other=0.0).to(tl.float32)
+        zu = tl.load(z_row + u_col[None, :], mask=m, other=0.0).to(tl.float32)
+        if WEIGHTS_ON_INPUT:
+            g = zg * s[:, None]
+            u = zu * s[:, None]
+        else:
+            g = zg
+            u = zu
+        if HAS_B13:
+            b_row = b13_ptr + e[:, None] * stride_b13e
+            g += tl.load(b_row + g_col[None, :] * stride_b13n, mask=m, other=0.0).to(tl.float32)
+            u += tl.load(b_row + u_col[None, :] * stride_b13n, mask=m, other=0.0).to(tl.float32)
+        act, dadg, dadu = activate_grad(g, u, ACT, alpha, limit)
+        if WEIGHTS_ON_INPUT:
+            da = dA
+            sa = act
+        else:
+            ds += tl.sum(dA * act, axis=1)
+            da = dA * s[:, None]
+            sa = act * s[:, None]
+        dg = da * dadg
+        du = da * dadu
+        if WEIGHTS_ON_INPUT:
+            ds += tl.sum(dg * zg + du * zu, axis=1)
+        m_store = in_range[:, None] & i_mask[None, :]
+        dz_row = dz_ptr + rows64[:, None] * stride_dz
+        tl.store(dz_row + g_col[None, :], dg.to(dz_ptr.dtype.element_ty), mask=m_store)
+        tl.store(dz_row + u_col[None, :], du.to(dz_ptr.dtype.element_ty), mask=m_store)
+        tl.store(sa_ptr + rows64[:, None] * stride_sa + offs[None, :],
+                 sa.to(sa_ptr.dtype.element_ty), mask=m_store)
+    if HAS_B2 and not WEIGHTS_ON_INPUT:
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mh = valid[:, None] & (offs_h < H)[None, :]
+            dO = tl.load(gos_ptr + rows64[:, None] * stride_gos + offs_h[None, :], mask=mh,
+                         other=0.0).to(tl.float32)
+            b2 = tl.load(b2_ptr + e[:, None] * stride_b2e + offs_h[None, :] * stride_b2n, mask=mh,
+                         other=0.0).to(tl.float32)
+            ds += tl.sum(dO * b2, axis=1)
+    tl.store(dweights_ptr + (slots64 // top_k) * stride_dw_t + (slots64 % top_k) * stride_dw_k,
+             ds.to(dweights_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def expert_colsum_kernel(
+    src_ptr, out_ptr, expert_ends_ptr, sorted_ptr, weights_ptr, n_slots, top_k, N, E,
+    stride_src, stride_oe, stride_on, stride_tw_t, stride_tw_k,
+    SCALED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out[e, n] = sum over expert e's valid aligned rows of (s_row *) src[row, n] (the bias
+    gradients: d b13_e = sum dz, d b2_e = sum s dO), rows in order in float32: deterministic, no
+    atomics. One program per (expert, column block); SCALED: s_row is the row's routing weight."""
+    e = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_mask = cols < N
+    start = tl.load(expert_ends_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(expert_ends_ptr + E + e)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        r_mask = rows < end
+        v = tl.load(src_ptr + rows.to(tl.int64)[:, None] * stride_src + cols[None, :],
+                    mask=r_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+        if SCALED:
+            slots = tl.load(sorted_ptr + rows, mask=r_mask, other=n_slots).to(tl.int64)
+            ok = r_mask & (slots < n_slots)
+            sc = tl.load(weights_ptr + (slots // top_k) * stride_tw_t + (slots % top_k) * stride_tw_k,
+                         mask=ok, other=0.0).to(tl.float32)
+            v = v * sc[:, None]
+        acc += tl.sum(v, axis=0)
+    tl.store(out_ptr + e.to(tl.int64) * stride_oe + cols * stride_on,
+             acc.to(out_ptr.dtype.element_ty), mask=c_mask)

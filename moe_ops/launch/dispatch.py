@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_ops._runtime import cdiv, next_pow2
-from moe_ops.kernels.expert_gemm import (combine_kernel, down_combine_one_token_kernel, down_kernel,
+from moe_ops.kernels.expert_gemm import (ACT_CODES, combine_kernel, down_combine_one_token_kernel, down_kernel,
                                          gate_up_kernel, zero_dropped_z_kernel)
 from moe_ops.launch._common import dot_precision, kernel_for, pdl_args, weight_desc
 from moe_ops.launch.alignment import align_triton
@@ -17,11 +17,15 @@ from moe_ops.tuning.heuristics import dispatch_config
 
 
 def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", config=None,
-                    out=None, save_z=False):
+                    out=None, save_z=False, *, w13_bias=None, w2_bias=None, alpha=1.702,
+                    limit=7.0, gate_up_interleaved=False, weights_on_input=False):
     """`out` (internal, for tests that poison outputs) must be a fresh [T, H] buffer.
     save_z (training): also return z = [g | u], the pre-activation per slot ([T*K, 2I], input
     dtype; zero rows for ids < 0 or >= E, as the reference) that dispatch_backward_triton(z=...)
-    consumes."""
+    consumes: the raw product W13_e x in w13's row order, before the bias and the input's
+    routing weight. The variant arguments: docs/contract.md (Variant)."""
+    var = Variant(activation, w13_bias, w2_bias, alpha, limit, gate_up_interleaved,
+                  weights_on_input)
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
@@ -33,7 +37,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, hidden.dtype)
     # Every argument of this call's launches is a function of these (moe_ops.launch.fast).
     key = (cfg, save_z, tensor_key(hidden), tensor_key(w13), tensor_key(w2),
-           tensor_key(topk_weights), tensor_key(topk_ids), tensor_key(out)) \
+           tensor_key(topk_weights), tensor_key(topk_ids), tensor_key(out), var.key()) \
         if dev.type == "cuda" else None
     # Direct rows (no alignment launch; the z of a training forward is per slot either way):
     # slot s is row block s. One token's K slots have K distinct experts, so no weights are read
@@ -50,8 +54,9 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     group_m = _group_m(cfg, al)
     if direct and T == 1 and cfg.down_combine_fused and K <= cfg.block_m:
         gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.dependent_launch,
-                       key=key)
-        down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key=key)
+                       key=key, variant=var, topk_weights=topk_weights)
+        down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key=key,
+                                      variant=var)
         if save_z:
             zero_dropped_z_triton(z, topk_ids, E, key=key)
         return (out, z) if save_z else out
@@ -61,18 +66,21 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     if direct and T == 1 and cfg.combine_in_down and K <= 32:
         counters = torch.empty(cdiv(H, cfg.down_block_n), dtype=torch.int32, device=dev)
     gate_up_triton(hidden, w13, act, al, cfg, n_slots, K, z=z, pdl=cfg.dependent_launch,
-                   counters=counters, key=key)
-    # Per-slot expert outputs (routing weight applied, rounded once to the input dtype, as vLLM
-    # does; float32 for float32 inputs); the combine sums them in float32 in a fixed order.
+                   counters=counters, key=key, variant=var, topk_weights=topk_weights)
+    # Per-slot expert outputs (bias and routing weight applied, rounded once to the input dtype,
+    # as vLLM does; float32 for float32 inputs); the combine sums them in float32 in a fixed
+    # order.
     y = torch.empty(n_slots, H, dtype=hidden.dtype, device=dev)
     down = RowGemmConfig(block_n=cfg.down_block_n, block_k=cfg.down_block_k,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                          tma_activations=cfg.tma_down_activations)
     rows_gemm_triton(act, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), y, al, down,
                      n_cols=H, reduce_dim=I, n_slots=n_slots, top_k=K, group_m=group_m,
-                     weights=topk_weights, tma_weights=cfg.tma_weights, pdl=cfg.dependent_launch,
+                     weights=None if weights_on_input else topk_weights,
+                     tma_weights=cfg.tma_weights, pdl=cfg.dependent_launch,
                      half_height_tails=cfg.half_height_tails,
-                     combine=None if counters is None else (counters, out, topk_ids), key=key)
+                     combine=None if counters is None else (counters, out, topk_ids), key=key,
+                     bias=w2_bias)
     if counters is None:
         combine_triton(y, topk_ids, out, E, pdl=cfg.dependent_launch, key=key)
     if save_z:
@@ -95,24 +103,96 @@ def zero_dropped_z_triton(z, topk_ids, num_experts, key=None):
     )
 
 
+@dataclass(frozen=True)
+class Variant:
+    """moe.dispatch's variant arguments as the launchers take them (docs/contract.md)."""
+    activation: str = "silu"
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    alpha: float = 1.702
+    limit: float = 7.0
+    interleaved: bool = False
+    weights_on_input: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """SwiGLU on gate-first rows, no bias, weights on the output (Mixtral's experts)."""
+        return (self.activation == "silu" and self.w13_bias is None and self.w2_bias is None
+                and not self.interleaved and not self.weights_on_input)
+
+    def key(self):
+        """What the launches' arguments depend on (fast launch keys)."""
+        return (self.activation, float(self.alpha), float(self.limit), self.interleaved,
+                self.weights_on_input, _opt_key(self.w13_bias), _opt_key(self.w2_bias))
+
+    def gate_up_args(self, topk_weights) -> dict:
+        """gate_up_kernel's variant arguments (none for the default SwiGLU on gate-first rows:
+        the kernel's defaults, the same compiled kernel as before the variants)."""
+        kw = {}
+        if self.activation != "silu":
+            kw.update(ACT=ACT_CODES[self.activation], alpha=float(self.alpha),
+                      limit=float(self.limit))
+        if self.interleaved:
+            kw.update(INTERLEAVED=True)
+        b = self.w13_bias
+        if b is not None:
+            kw.update(b_ptr=b, stride_be=b.stride(0), stride_bn=b.stride(1), HAS_BIAS=True)
+        if self.weights_on_input:
+            kw.update(tw_ptr=topk_weights, stride_tw_t=topk_weights.stride(0),
+                      stride_tw_k=topk_weights.stride(1), WEIGHTS_ON_INPUT=True)
+        return kw
+
+
+def _opt_key(t):
+    return None if t is None else tensor_key(t)
+
+
+def _bias_args(b) -> dict:
+    """The down kernels' bias arguments (w2_bias [E, N]); none without a bias."""
+    if b is None:
+        return {}
+    return dict(b_ptr=b, stride_be=b.stride(0), stride_bn=b.stride(1), HAS_BIAS=True)
+
+
+_PLAIN = Variant()
+
+
 def gate_up_triton(hidden, w13, act, al, cfg: DispatchConfig, n_slots, top_k, *, z=None,
-                   pdl=False, counters=None, key=None):
+                   pdl=False, counters=None, key=None, variant=None, topk_weights=None):
     """act[row] = SwiGLU(W13_e x_t) over the aligned rows (gathering token rows through the slot
     table); with `z` ([T*K, 2I]) also the pre-activation per slot. `counters` (int32): zeroed
     for the down kernel's combine_in_down (after the PDL wait: the buffer may be memory that the
-    kernel before was still using). `key`: dispatch_triton's launch key (fast launch), or None."""
+    kernel before was still using). `key`: dispatch_triton's launch key (fast launch), or None.
+    `variant` (Variant; None: the default) with `topk_weights` (read with weights_on_input):
+    bias, activation, interleaved rows. z is the raw product W13_e x in w13's row order
+    whatever the variant."""
     H = hidden.shape[1]
     I = act.shape[1]
     n_blocks = al.max_rows // cfg.block_m
     zz = act if z is None else z
+    var = variant or _PLAIN
     bn, bk = cfg.gate_up_block_n, cfg.gate_up_block_k
-    w_desc, pair = None, False
-    if cfg.tma_weights and cfg.tma_gate_up_pair:   # [E, 2I, H] as [E, 2, I, H]: gate and up in one copy
-        st = w13.stride()
+    w_desc, pair, trans = None, False, False
+    st = w13.stride()
+    if cfg.tma_weights and st[2] != 1 and st[1] == 1 and 2 * bn <= 256:
+        # a transposed view of [E, H, 2I] storage (gpt-oss's checkpoint layout): descriptors
+        # over the storage (a copy's box is at most 256 wide)
+        E = w13.shape[0]
+        if var.interleaved:
+            w_desc = weight_desc(w13, [1, bk, 2 * bn], shape=[E, H, 2 * I],
+                                 strides=[st[0], st[2], 1])
+        else:
+            w_desc = weight_desc(w13, [1, bk, 2, bn], shape=[E, H, 2, I],
+                                 strides=[st[0], st[2], I, 1])
+        trans = w_desc is not None
+    elif cfg.tma_weights and cfg.tma_gate_up_pair:   # [E, 2I, H] as [E, 2, I, H]: one copy
+        # gate-first rows: (e, j, i) is row j*I + i; interleaved: row 2i + j
+        mid = [st[1], 2 * st[1]] if var.interleaved else [I * st[1], st[1]]
         w_desc = weight_desc(w13, [1, 2, bn, bk],
-                             shape=[w13.shape[0], 2, I, H], strides=[st[0], I * st[1], st[1], st[2]])
+                             shape=[w13.shape[0], 2, I, H], strides=[st[0], *mid, st[2]])
         pair = w_desc is not None
-    if cfg.tma_weights and w_desc is None:
+    if cfg.tma_weights and w_desc is None and not var.interleaved:
+        # (the two-copy path reads the up tile at row I + n: gate-first rows only)
         w_desc = weight_desc(w13, [1, bn, bk])
     direct = _direct_args(al, w13.shape[0])
     cnt = {} if counters is None else dict(counters_ptr=counters, n_counters=counters.numel(),
@@ -129,6 +209,7 @@ def gate_up_triton(hidden, w13, act, al, cfg: DispatchConfig, n_slots, top_k, *,
         DOT_PRECISION=dot_precision(hidden.dtype), SAVE_Z=z is not None,
         w_desc=w_desc, USE_TMA=w_desc is not None, TMA_PAIR=pair, **direct,
         HALF_TAIL=_half_tail(cfg.half_height_tails, al), **cnt,
+        **var.gate_up_args(topk_weights), **({"TMA_TRANS": True} if trans else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(pdl, hidden.device),
     )
@@ -136,7 +217,7 @@ def gate_up_triton(hidden, w13, act, al, cfg: DispatchConfig, n_slots, top_k, *,
 
 def rows_gemm_triton(a, w, w_strides, y, al, config: RowGemmConfig, *, n_cols, reduce_dim, n_slots,
                      top_k, group_m=8, weights=None, tma_weights=False, half_height_tails=False,
-                     pdl=False, combine=None, key=None):
+                     pdl=False, combine=None, key=None, bias=None):
     """y[slot] = (weights[slot] *) a[row] @ W_e^T ([n_cols]) for the aligned rows: `a` is
     contiguous in aligned-row order ([max_rows, reduce_dim]); W_e[n, k] = w[e*w_strides[0] +
     n*w_strides[1] + k*w_strides[2]] (any layout); y is per slot ([T*K, n_cols], rows of ids < 0
@@ -146,13 +227,18 @@ def rows_gemm_triton(a, w, w_strides, y, al, config: RowGemmConfig, *, n_cols, r
     config.tma_activations, so do the A tiles (`a` with 16-byte aligned rows; a_tile_descs).
     `half_height_tails`: tail row blocks with at most block_m/2 valid rows run a half-height
     tile. `combine` = (counters, out, topk_ids), direct rows only: the last program per column
-    tile also sums the K rows into out ([1, n_cols])."""
+    tile also sums the K rows into out ([1, n_cols]). `bias` ([E, n_cols], optional): added to
+    each row before the weight (the forward's w2_bias)."""
     N, K_red = n_cols, reduce_dim
     block_n, block_k = config.block_n, config.block_k
     bm = al.block_m
     n_blocks = al.max_rows // bm
     tw = weights if weights is not None else y
     w_desc, layout = None, 0
+    if w.stride(2) != 1 and w.stride(1) == 1:
+        # a transposed view (a checkpoint's [E, K, N] or [E, N, K] storage seen the other way):
+        # descriptors over the storage's own order
+        w = w.transpose(1, 2)
     if tma_weights and tuple(w_strides) == tuple(w.stride()):       # storage [E, N, K]
         w_desc, layout = weight_desc(w, [1, block_n, block_k]), 1
     elif tma_weights and tuple(w_strides) == (w.stride(0), w.stride(2), w.stride(1)):   # [E, K, N]
@@ -180,7 +266,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, config: RowGemmConfig, *, n_cols, r
         DOT_PRECISION=dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
         w_desc=w_desc, TMA_LAYOUT=layout, **direct, HALF_TAIL=half,
         **comb, **({} if a_descs is None else dict(a_desc=a_descs[0], a_desc_half=a_descs[1],
-                                                    A_TMA=True)),
+                                                    A_TMA=True)), **_bias_args(bias),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(pdl, a.device),
     )
 
@@ -210,12 +296,17 @@ def combine_triton(y, topk_ids, out, num_experts, pdl=False, key=None):
     )
 
 
-def down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key=None):
+def down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key=None,
+                                  variant=None):
     """T == 1 with direct rows: out = sum over k of w_k * act[k*block_m] @ W2_{e_k}^T in one
     launch (the down GEMM with the combine folded in); down_block_n columns of H per program."""
     E, H, I = w2.shape
     K = topk_ids.shape[1]
+    var = variant or _PLAIN
     w_desc = weight_desc(w2, [1, cfg.down_block_n, cfg.down_block_k]) if cfg.tma_weights else None
+    extra = _bias_args(var.w2_bias)
+    if var.weights_on_input:
+        extra.update(WEIGHTS_ON_INPUT=True)
     fk = launch_key(key and (key, "down_combine"), act)
     kernel_for(down_combine_one_token_kernel, act.device, fk)[(cdiv(H, cfg.down_block_n),)](
         act, w2, topk_weights, topk_ids, out, H, I, E,
@@ -223,7 +314,7 @@ def down_combine_one_token_triton(act, w2, topk_weights, topk_ids, out, cfg, key
         topk_ids.stride(1), out.stride(1),
         TOP_K=K, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         DOT_PRECISION=dot_precision(act.dtype), w_desc=w_desc, USE_TMA=w_desc is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **extra, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(cfg.dependent_launch, act.device),
     )
 

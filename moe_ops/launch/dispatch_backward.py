@@ -13,31 +13,47 @@ from __future__ import annotations
 import torch
 
 from moe_ops._runtime import cdiv, next_pow2
-from moe_ops.kernels.expert_gemm_backward import (gather_rows_kernel, swiglu_grad_kernel,
+from moe_ops.kernels.expert_gemm import ACT_CODES
+from moe_ops.kernels.expert_gemm_backward import (act_grad_kernel, expert_colsum_kernel,
+                                                  gather_rows_kernel, swiglu_grad_kernel,
                                                   weight_grad_kernel,
                                                   weight_grad_persistent_kernel)
 from moe_ops.launch._common import dot_precision, kernel_for, num_programs, weight_desc
 from moe_ops.launch.alignment import align_triton
-from moe_ops.launch.dispatch import combine_triton, gate_up_triton, rows_gemm_triton
+from moe_ops.launch.dispatch import Variant, combine_triton, gate_up_triton, rows_gemm_triton
 from moe_ops.launch.fast import launch_key, tensor_key
+from moe_ops.reference.dispatch import empty_grad
 from moe_ops.tuning.configs import WeightGradConfig
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
 
 def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation="silu",
-                             z=None, config=None, bwd_config=None):
-    """`z`: the pre-activation [T*K, 2I] saved by the training forward (None: recompute it)."""
+                             z=None, config=None, bwd_config=None, *, w13_bias=None, w2_bias=None,
+                             alpha=1.702, limit=7.0, gate_up_interleaved=False,
+                             weights_on_input=False):
+    """`z`: W13_e x per slot [T*K, 2I] saved by the training forward (None: recompute it).
+    Returns (d hidden, d w13, d w2, d topk_weights), and (d w13_bias, d w2_bias) after them (None
+    for an absent bias) when a bias is given. Weight gradients have the weights' strides where
+    those are a permutation of dense storage (a transposed checkpoint view), else contiguous."""
+    var = Variant(activation, w13_bias, w2_bias, alpha, limit, gate_up_interleaved,
+                  weights_on_input)
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
     dev = hidden.device
     dt = hidden.dtype
     dx = torch.empty(T, H, dtype=dt, device=dev)
-    dw13 = torch.empty(w13.shape, dtype=w13.dtype, device=dev)
-    dw2 = torch.empty(w2.shape, dtype=w2.dtype, device=dev)
+    dw13 = empty_grad(w13)
+    dw2 = empty_grad(w2)
     dweights = torch.zeros(topk_weights.shape, dtype=topk_weights.dtype, device=dev)
+    db13 = None if w13_bias is None else torch.empty_like(w13_bias,
+                                                          memory_format=torch.contiguous_format)
+    db2 = None if w2_bias is None else torch.empty_like(w2_bias,
+                                                       memory_format=torch.contiguous_format)
+    bias_grads = () if db13 is None and db2 is None else (db13, db2)
     if T * K == 0 or E == 0:   # no slot reaches an expert: every gradient is zero
-        return dx.zero_(), dw13.zero_(), dw2.zero_(), dweights
+        return (dx.zero_(), dw13.zero_(), dw2.zero_(), dweights) + tuple(
+            None if b is None else b.zero_() for b in bias_grads)
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, dt)
     bc = bwd_config or backward_config(cfg, dev.type, dt, rows_per_expert=T * K / E,
                                         inter_size=I)
@@ -47,13 +63,16 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     # launch names in its launch_key (moe_ops.launch.fast: Triton's per-launch binding skipped).
     key = (cfg, bc, tensor_key(grad_out), tensor_key(hidden), tensor_key(w13), tensor_key(w2),
            tensor_key(topk_weights), tensor_key(topk_ids), z is None or tensor_key(z),
-           tuple(t.data_ptr() % 16 for t in (dx, dw13, dw2, dweights))) \
+           tuple(t.data_ptr() % 16 for t in (dx, dw13, dw2, dweights)), var.key(),
+           tuple(None if b is None else tensor_key(b) for b in bias_grads)) \
         if dev.type == "cuda" else None
     al = align_triton(topk_ids, E, cfg.block_m)
     n_slots = T * K
     prec = dot_precision(dt)
 
-    xs = gather_rows_triton(hidden, al, n_slots, K, key=key and (key, "x"))
+    # (weights_on_input: the experts' input is s x, and dW13_e = dh^T (s x))
+    xs = gather_rows_triton(hidden, al, n_slots, K, key=key and (key, "x"),
+                            weights=topk_weights if weights_on_input else None)
     gos = gather_rows_triton(grad_out, al, n_slots, K, key=key and (key, "dO"))
     dz = torch.empty(al.max_rows, 2 * I, dtype=dt, device=dev)
     sa = torch.empty(al.max_rows, I, dtype=dt, device=dev)
@@ -68,15 +87,24 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
                      key=key and (key, "dA"))
     ew = bc.activation_grad
     block_i = min(ew.block_i, next_pow2(I))
-    fk = launch_key(key and (key, "swiglu"), dA, z, al.sorted_slots, al.num_rows, dz, sa)
-    kernel_for(swiglu_grad_kernel, dev, fk)[(cdiv(al.max_rows, ew.rows_per_program),)](
-        dA, z, topk_weights, al.sorted_slots, al.num_rows, dz, sa, dweights,
-        n_slots, I, K, dA.stride(0), z.stride(0), topk_weights.stride(0),
-        topk_weights.stride(1), dz.stride(0), sa.stride(0), dweights.stride(0),
-        dweights.stride(1),
-        BLOCK_R=ew.rows_per_program, BLOCK_I=block_i, num_warps=4,
-    )
+    if var.plain:
+        fk = launch_key(key and (key, "swiglu"), dA, z, al.sorted_slots, al.num_rows, dz, sa)
+        kernel_for(swiglu_grad_kernel, dev, fk)[(cdiv(al.max_rows, ew.rows_per_program),)](
+            dA, z, topk_weights, al.sorted_slots, al.num_rows, dz, sa, dweights,
+            n_slots, I, K, dA.stride(0), z.stride(0), topk_weights.stride(0),
+            topk_weights.stride(1), dz.stride(0), sa.stride(0), dweights.stride(0),
+            dweights.stride(1),
+            BLOCK_R=ew.rows_per_program, BLOCK_I=block_i, num_warps=4,
+        )
+    else:
+        act_grad_triton(dA, z, topk_weights, al, dz, sa, dweights, gos, var, n_slots, I, H, K,
+                        ew.rows_per_program, block_i, key=key)
     del dA, z   # a recomputed z is freed here, before the weight-gradient GEMMs
+    if db13 is not None:
+        expert_colsum_triton(dz, db13, al, n_slots, K, key=key and (key, "db13"))
+    if db2 is not None:
+        expert_colsum_triton(gos, db2, al, n_slots, K, key=key and (key, "db2"),
+                             weights=None if weights_on_input else topk_weights)
 
     # dW2_e [H, I] = sum_rows dO[t]^T (s a)[row];  dW13_e [2I, H] = sum_rows dz[row]^T x[t]
     weight_grad_triton(gos, sa, dw2, al, bc.weight_grad, prec, key=key and (key, "dW2"))
@@ -86,17 +114,54 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
 
     # dx: per-slot dz[row] @ W13_e ([2I] x [2I, H]), then the forward's deterministic combine.
     dxs = torch.empty(n_slots, H, dtype=dt, device=dev)
+    # (weights_on_input: dx_t = sum_k s dh W13_e, the routing weight in the row GEMM's epilogue)
     rows_gemm_triton(dz, w13, (w13.stride(0), w13.stride(2), w13.stride(1)), dxs, al,
                      bc.input_grad_gemm, n_cols=H, reduce_dim=2 * I, n_slots=n_slots, top_k=K,
-                     key=key and (key, "dx"))
+                     key=key and (key, "dx"),
+                     weights=topk_weights if weights_on_input else None)
     combine_triton(dxs, topk_ids, dx, E, key=key and (key, "dx"))
-    return dx, dw13, dw2, dweights
+    return (dx, dw13, dw2, dweights) + bias_grads
 
 
-def gather_rows_triton(src, al, n_slots, top_k, key=None):
+def act_grad_triton(dA, z, topk_weights, al, dz, sa, dweights, gos, var, n_slots, I, H, top_k,
+                    block_r, block_i, key=None):
+    """act_grad_kernel (every variant's elementwise backward) over the aligned rows."""
+    b13 = var.w13_bias if var.w13_bias is not None else dz
+    b2 = var.w2_bias if var.w2_bias is not None else gos
+    fk = launch_key(key and (key, "act_grad"), dA, z, al.sorted_slots, al.num_rows,
+                    al.block_expert, dz, sa, gos)
+    kernel_for(act_grad_kernel, dz.device, fk)[(cdiv(al.max_rows, block_r),)](
+        dA, z, topk_weights, al.sorted_slots, al.num_rows, al.block_expert, dz, sa, dweights,
+        b13, b2, gos, n_slots, I, H, top_k, dA.stride(0), z.stride(0), topk_weights.stride(0),
+        topk_weights.stride(1), dz.stride(0), sa.stride(0), dweights.stride(0),
+        dweights.stride(1), b13.stride(0), b13.stride(1), b2.stride(0), b2.stride(1),
+        gos.stride(0), float(var.alpha), float(var.limit),
+        BLOCK_M=al.block_m, ACT=ACT_CODES[var.activation], HAS_B13=var.w13_bias is not None,
+        HAS_B2=var.w2_bias is not None, WEIGHTS_ON_INPUT=var.weights_on_input,
+        INTERLEAVED=var.interleaved, BLOCK_R=block_r, BLOCK_I=block_i,
+        BLOCK_H=min(256, next_pow2(H)), num_warps=4,
+    )
+
+
+def expert_colsum_triton(src, out, al, n_slots, top_k, key=None, weights=None):
+    """out[e] = sum over expert e's valid aligned rows of (weights[slot] *) src[row] (float32,
+    rows in order: deterministic): the bias gradients."""
+    E, N = out.shape
+    block_n = min(128, next_pow2(N))
+    tw = weights if weights is not None else src
+    fk = launch_key(key, src, out, al.expert_ends, al.sorted_slots)
+    kernel_for(expert_colsum_kernel, out.device, fk)[(E, cdiv(N, block_n))](
+        src, out, al.expert_ends, al.sorted_slots, tw, n_slots, top_k, N, E,
+        src.stride(0), out.stride(0), out.stride(1), tw.stride(0), tw.stride(1),
+        SCALED=weights is not None, BLOCK_R=16, BLOCK_N=block_n, num_warps=4,
+    )
+
+
+def gather_rows_triton(src, al, n_slots, top_k, key=None, weights=None):
     """src rows in aligned-row order ([max_rows, H]; padding rows zero, rows past the device-side
-    row count left unwritten: no kernel reads them). `key`: the fast-launch key of the call (a
-    function of src and the alignment's shapes), or None."""
+    row count left unwritten: no kernel reads them), times the slot's routing weight with
+    `weights` ([T, K]). `key`: the fast-launch key of the call (a function of src and the
+    alignment's shapes), or None."""
     H = src.shape[1]
     dst = torch.empty(al.max_rows, H, dtype=src.dtype, device=src.device)
     block_r = 16
@@ -105,6 +170,8 @@ def gather_rows_triton(src, al, n_slots, top_k, key=None):
         src, al.sorted_slots, al.num_rows, dst, n_slots, top_k, H,
         src.stride(0), src.stride(1), dst.stride(0),
         BLOCK_R=block_r, BLOCK_H=min(512, next_pow2(H)), num_warps=4,
+        **({} if weights is None else dict(weights_ptr=weights, stride_tw_t=weights.stride(0),
+                                           stride_tw_k=weights.stride(1), SCALED=True)),
     )
     return dst
 
@@ -112,7 +179,11 @@ def gather_rows_triton(src, al, n_slots, top_k, key=None):
 def weight_grad_triton(left, right, out, al, wg: WeightGradConfig, prec, key=None):
     """out[e] ([M, N]) = sum over expert e's aligned rows of left[row]^T right[row] (up to the
     first step past its valid rows); left and right are contiguous, in aligned-row order, with
-    zero padding rows."""
+    zero padding rows. An `out` that is a transposed view of dense storage (a checkpoint-layout
+    weight's gradient) is computed as out^T = right^T left, so that the output tiles are stored
+    along its contiguous dimension."""
+    if out.stride(2) != 1 and out.stride(1) == 1:
+        return weight_grad_triton(right, left, out.transpose(1, 2), al, wg, prec, key=key)
     E, M, N = out.shape
     bk = min(wg.block_k, al.block_m)
     ends = al.expert_ends

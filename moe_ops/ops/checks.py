@@ -6,6 +6,7 @@ import math
 import torch
 
 from moe_ops._runtime import checks_enabled
+from moe_ops.ops.quant_checks import check_quantized_dispatch
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -74,7 +75,77 @@ def check_route(router_logits, top_k, scoring, renormalize, bias, num_groups, to
         check_same_device(router_logits=router_logits, bias=bias)
 
 
-def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation):
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_oai")
+QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+# Strides the kernels address as 32-bit element offsets within a tile step (larger ones would
+# need a copy of the weight, which the op never makes).
+_MAX_STRIDE = 2**31 - 1
+
+
+def _is_float(x) -> bool:
+    return isinstance(x, (float, int, torch.SymFloat, torch.SymInt)) and not isinstance(x, bool)
+
+
+def check_variant_types(activation="silu", w13_bias=None, w2_bias=None, alpha=1.702, limit=7.0,
+                        gate_up_interleaved=False, weights_on_input=False, w13_scale=None,
+                        w2_scale=None, block_shape=None, quantize_activations=True):
+    """The variant arguments' Python types (the dispatcher would raise a RuntimeError without
+    the argument's name) and values that need no tensor."""
+    if not isinstance(activation, str):
+        raise TypeError(f"activation must be a str (one of {', '.join(ACTIVATIONS)}), "
+                        f"got {type(activation).__name__}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, "
+                         f"got {activation!r}")
+    for name, t in (("w13_bias", w13_bias), ("w2_bias", w2_bias), ("w13_scale", w13_scale),
+                    ("w2_scale", w2_scale)):
+        if t is not None:
+            _tensor(name, t)
+    for name, x in (("alpha", alpha), ("limit", limit)):
+        if not _is_float(x):
+            raise TypeError(f"{name} must be a float, got {type(x).__name__}")
+        # (a symbolic float under torch.compile has no value to check)
+        if isinstance(x, (int, float)) and not math.isfinite(x):
+            raise ValueError(f"{name} must be finite, got {x}")
+    if isinstance(limit, (int, float)) and limit <= 0:
+        raise ValueError(f"limit must be > 0 (swiglu_oai clamps the gate to <= limit and the up "
+                         f"projection to [-limit, limit]), got {limit}")
+    for name, x in (("gate_up_interleaved", gate_up_interleaved),
+                    ("weights_on_input", weights_on_input),
+                    ("quantize_activations", quantize_activations)):
+        if not isinstance(x, bool):
+            raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+    if block_shape is not None:
+        if (not isinstance(block_shape, (list, tuple)) or len(block_shape) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) for b in block_shape)):
+            raise TypeError(f"block_shape must be a list of two ints [bn, bk], got {block_shape!r}")
+
+
+def check_weight_layout(name, w):
+    """Any strides are read as they are (a transposed checkpoint layout is a view, never
+    copied); what the kernels cannot address raises instead of being copied."""
+    if w.layout != torch.strided:
+        raise TypeError(f"{name} must be a strided (dense) tensor, got layout {w.layout}: the "
+                        "kernels would need a dense copy of it, which moe.dispatch never makes")
+    if any(st < 0 or st > _MAX_STRIDE for st in w.stride()):
+        raise ValueError(f"{name} has strides {tuple(w.stride())} the kernels cannot address "
+                         f"(each must be in [0, 2^31)): a non-view copy would be needed "
+                         f"({name}.contiguous()), which moe.dispatch never makes")
+
+
+def _check_bias(name, b, shape, what, hidden):
+    _tensor(name, b)
+    if tuple(b.shape) != shape:
+        raise ValueError(f"{name} must have shape {what} = {list(shape)}, got {tuple(b.shape)}")
+    if b.dtype not in (hidden.dtype, torch.float32):
+        raise TypeError(f"{name} must be float32 or hidden's dtype {hidden.dtype}, got {b.dtype}")
+    check_same_device(hidden=hidden, **{name: b})
+
+
+def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation="silu", w13_bias=None,
+                   w2_bias=None, alpha=1.702, limit=7.0, gate_up_interleaved=False,
+                   weights_on_input=False, w13_scale=None, w2_scale=None, block_shape=None,
+                   quantize_activations=True):
     for name, x in (("hidden", hidden), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights),
                     ("topk_ids", topk_ids)):
         _tensor(name, x)
@@ -83,8 +154,21 @@ def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation):
     _rank("w2", w2, 3, "[E, H, I]")
     _rank("topk_weights", topk_weights, 2, "[T, K]")
     _rank("topk_ids", topk_ids, 2, "[T, K]")
-    if activation != "silu":
-        raise ValueError(f"activation must be 'silu', got {activation!r}")
+    check_variant_types(activation, w13_bias, w2_bias, alpha, limit, gate_up_interleaved,
+                        weights_on_input, w13_scale, w2_scale, block_shape, quantize_activations)
+    for name, s, w in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2),
+                       ("block_shape", block_shape, w13)):
+        if s is not None and w.dtype not in QUANTIZED_DTYPES:
+            raise TypeError(f"{name} given with {str(w.dtype).replace('torch.', '')} weights: "
+                            "scales and block_shape apply to quantized weights only "
+                            "(float8_e4m3fn, or uint8 holding MXFP4)")
+    if w13.dtype in QUANTIZED_DTYPES or w2.dtype in QUANTIZED_DTYPES:
+        check_quantized_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
+                                 w2_bias, gate_up_interleaved, weights_on_input, w13_scale,
+                                 w2_scale, block_shape, quantize_activations)
+        _check_weight_layout("w13", w13)
+        _check_weight_layout("w2", w2)
+        return
     check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     dev = hidden.device.type
     if not _dtypes_ok(hidden.dtype, dev):
@@ -98,9 +182,14 @@ def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation):
             f"topk_weights must be float32 or hidden's dtype {hidden.dtype}, got {topk_weights.dtype}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    check_weight_layout("w13", w13)
+    check_weight_layout("w2", w2)
     T, H = hidden.shape
     E, two_i, H13 = w13.shape
     E2, H2, I = w2.shape
+    if gate_up_interleaved and two_i % 2:
+        raise ValueError(f"gate_up_interleaved=True needs an even w13.shape[1] (gate rows 2i, up "
+                         f"rows 2i+1), got {two_i}")
     if two_i != 2 * I:
         raise ValueError(
             f"w13 must have shape [E, 2I, H] with 2I = 2 * w2.shape[2] = {2 * I}, got w13.shape[1] = {two_i}")
@@ -120,14 +209,18 @@ def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation):
     K = topk_ids.shape[1]
     if K > E:
         raise ValueError(f"K = topk_ids.shape[1] = {K} must be at most E = {E}")
+    if w13_bias is not None:
+        _check_bias("w13_bias", w13_bias, (E, two_i), "[E, 2I]", hidden)
+    if w2_bias is not None:
+        _check_bias("w2_bias", w2_bias, (E, H), "[E, H]", hidden)
 
 
-def check_dispatch_backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, activation):
+def check_dispatch_backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, **variant):
     """The internal backward ops (moe.dispatch_backward, moe.dispatch_backward_saved): the
     forward's arguments, grad_out [T, H] and (saved) z [T*K, 2I], both in hidden's dtype on
     its device. moe.dispatch's autograd always passes such tensors; a direct call with others
     would read out of bounds in the kernels."""
-    check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation)
+    check_dispatch(hidden, w13, w2, topk_weights, topk_ids, **variant)
     extra = (("grad_out", grad_out, tuple(hidden.shape), "[T, H]"),)
     if z is not None:
         extra += (("z", z, (topk_ids.shape[0] * topk_ids.shape[1], w13.shape[1]), "[T*K, 2I]"),)

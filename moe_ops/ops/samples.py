@@ -75,3 +75,97 @@ def route_samples(device="cpu", requires_grad=False):
         ((torch.randn(12, 6, generator=g, device=device).t().requires_grad_(requires_grad), 3),
          {"bias": bias[:12]}),
     ]
+
+
+def make_variant_inputs(T, H, I, E, K, *, dtype=torch.float32, device="cpu", routing="uniform",
+                        generator=None, requires_grad=False, w13_bias=False, w2_bias=False,
+                        transpose_w13=False, transpose_w2=False, bias_dtype=None,
+                        ids_dtype=torch.int32, weight_std=0.1):
+    """make_dispatch_inputs' (hidden, w13, w2, topk_weights, topk_ids) and the biases (None
+    unless asked for; [E, 2I] and [E, H]). transpose_w13 / transpose_w2: the weights as
+    transposed views of [E, H, 2I] / [E, I, H] storage (the gpt-oss checkpoint layout)."""
+    g = generator
+    h, w13, w2, w, ids = make_dispatch_inputs(T, H, I, E, K, dtype=dtype, device=device,
+                                              routing=routing, generator=g, ids_dtype=ids_dtype,
+                                              weight_std=weight_std)
+    if transpose_w13:
+        w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    if transpose_w2:
+        w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    bd = bias_dtype or dtype
+    b13 = (torch.randn(E, 2 * I, generator=g, device=device) * 0.5).to(bd) if w13_bias else None
+    b2 = (torch.randn(E, H, generator=g, device=device) * 0.5).to(bd) if w2_bias else None
+    if requires_grad:
+        for t in (h, w13, w2, w, b13, b2):
+            if t is not None:
+                t.requires_grad_(True)
+    return (h, w13, w2, w, ids), b13, b2
+
+
+# (name, make_variant_inputs options, op keyword arguments): one case per variant, and the
+# gpt-oss combination (biases, swiglu_oai with a small limit so that the clamps bind,
+# interleaved rows, transposed weights)
+VARIANTS = [
+    ("gpt_oss", dict(w13_bias=True, w2_bias=True, transpose_w13=True, transpose_w2=True),
+     dict(activation="swiglu_oai", alpha=1.702, limit=0.3, gate_up_interleaved=True)),
+    ("bias_silu", dict(w13_bias=True, w2_bias=True), dict()),
+    ("gelu", dict(w13_bias=True), dict(activation="gelu")),
+    ("gelu_tanh", dict(w2_bias=True), dict(activation="gelu_tanh")),
+    ("relu", dict(), dict(activation="relu")),
+    ("interleaved", dict(transpose_w2=True), dict(gate_up_interleaved=True)),
+    ("swiglu_oai", dict(transpose_w13=True), dict(activation="swiglu_oai", alpha=1.1,
+                                                  limit=0.4)),
+    ("weights_on_input", dict(w13_bias=True, w2_bias=True), dict(weights_on_input=True)),
+]
+
+
+def dispatch_variant_samples(device="cpu", dtype=torch.float32, requires_grad=False):
+    """(args, kwargs) pairs: every variant of VARIANTS on a small odd shape with dropped ids,
+    and the gpt-oss combination at T = 1 and with weights on the input."""
+    g = torch.Generator(device=device).manual_seed(0)
+    out = []
+    for i, (_, opts, kw) in enumerate(VARIANTS):
+        args, b13, b2 = make_variant_inputs(7, 9, 5, 4, 2, dtype=dtype, device=device,
+                                            routing="negative" if i % 2 else "uniform",
+                                            generator=g, requires_grad=requires_grad, **opts)
+        out.append((args, dict(kw, w13_bias=b13, w2_bias=b2)))
+    args, b13, b2 = make_variant_inputs(1, 10, 6, 5, 3, dtype=dtype, device=device, generator=g,
+                                        requires_grad=requires_grad, **VARIANTS[0][1])
+    out.append((args, dict(VARIANTS[0][2], w13_bias=b13, w2_bias=b2, weights_on_input=True)))
+    return out
+
+
+def quant_dispatch_samples(device="cpu", dtype=torch.float32):
+    """(args, kwargs) of moe.dispatch with quantized expert weights (issue 42): FP8 block-scaled
+    (W8A8 and W8A16; T = 0, T = 1, partial scale blocks, ids < 0, gpt-oss-style variants) and
+    MXFP4 (gpt-oss's biases, swiglu_oai and interleaved rows)."""
+    from moe_ops.reference.quant import quantize_fp8_block
+
+    g = torch.Generator(device=device).manual_seed(0)
+    out = []
+    for T, H, I, E, K, routing, bs, kw in [
+            (0, 32, 16, 4, 2, "uniform", (16, 16), {}),
+            (1, 40, 24, 4, 2, "uniform", (16, 16), {}),
+            (9, 48, 40, 6, 3, "negative", (32, 16), {"quantize_activations": False}),
+            (7, 32, 16, 4, 2, "uniform", (16, 16),
+             {"activation": "swiglu_oai", "gate_up_interleaved": True, "alpha": 1.5,
+              "limit": 5.0})]:
+        h, w13, w2, tw, ids = make_dispatch_inputs(T, H, I, E, K, dtype=dtype, device=device,
+                                                   routing=routing, generator=g)
+        q13, s13 = quantize_fp8_block(w13, bs)
+        q2, s2 = quantize_fp8_block(w2, bs)
+        out.append(((h, q13, q2, tw, ids), dict(kw, w13_scale=s13, w2_scale=s2,
+                                                block_shape=list(bs))))
+    T, H, I, E, K = 6, 64, 32, 4, 2
+    h, _, _, tw, ids = make_dispatch_inputs(T, H, 2, E, K, dtype=dtype, device=device,
+                                            routing="negative", generator=g)
+    kw = dict(device=device, generator=g, dtype=torch.uint8)
+    b13 = torch.randint(0, 256, (E, 2 * I, H // 2), **kw)
+    b2 = torch.randint(0, 256, (E, H, I // 2), **kw)
+    s13 = torch.randint(119, 124, (E, 2 * I, H // 32), **kw)
+    s2 = torch.randint(119, 124, (E, H, I // 32), **kw)
+    out.append(((h, b13, b2, tw, ids), dict(
+        w13_scale=s13, w2_scale=s2, activation="swiglu_oai", gate_up_interleaved=True,
+        w13_bias=torch.randn(E, 2 * I, generator=g, device=device) * 0.1,
+        w2_bias=torch.randn(E, H, generator=g, device=device) * 0.1)))
+    return out

@@ -1,0 +1,285 @@
+"""How the experts of a transformers MoE family map onto `moe.dispatch`'s arguments, without
+copying a weight: the layout of the expert tensors (transposed, interleaved, biased), the gating
+activation, and the few families whose experts need their own module (Llama 4).
+
+transformers' `@use_experts_implementation` decorator records a layout on each experts instance
+(`has_gate`, `has_bias`, `is_transposed`, `is_concatenated`, `has_post_expert_norm`) and the
+activation lives in `act_fn` (or in a class-level `_apply_gate`, e.g. gpt-oss's clamped SwiGLU).
+`experts_layout()` reads them and either returns the dispatch arguments or raises
+`UnsupportedModelError` naming what the op does not compute."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["UnsupportedModelError", "ExpertsLayout", "activation_name", "experts_layout"]
+
+
+class UnsupportedModelError(ValueError):
+    """The model, or one of its MoE modules, has no moe_ops path (unknown family, or an experts
+    layout the op does not compute: ungated experts, a post-expert norm, an activation other than
+    SiLU/GELU/ReLU gating or gpt-oss's clamped SwiGLU, quantized weights...)."""
+
+
+# transformers.activations class names (ACT2FN values) and torch.nn modules, by the op's name.
+_ACT_BY_CLASS = {
+    "SiLUActivation": "silu",       # "silu"
+    "SiLU": "silu",                 # "swish" (torch.nn.SiLU)
+    "GELUActivation": "gelu",       # "gelu", "gelu_python": erf GELU
+    "GELUTanh": "gelu_tanh",        # "gelu_pytorch_tanh", "gelu_python_tanh"
+    "PytorchGELUTanh": "gelu_tanh",  # older name of GELUTanh
+    "NewGELUActivation": "gelu_tanh",  # "gelu_new": the same tanh approximation
+    "FastGELUActivation": "gelu_tanh",  # "gelu_fast": the same tanh approximation, refactored
+    "ReLU": "relu",                 # "relu" (torch.nn.ReLU)
+}
+_ACT_BY_FUNCTION = {F.silu: "silu", F.gelu: "gelu", F.relu: "relu", torch.relu: "relu"}
+
+
+def activation_name(act) -> str | None:
+    """The op's activation name for a transformers `act_fn` (a module of transformers.activations
+    or torch.nn, or a functional), or None if the op does not compute it."""
+    if act in _ACT_BY_FUNCTION:
+        return _ACT_BY_FUNCTION[act]
+    if isinstance(act, torch.nn.GELU):
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
+    cls = type(act)
+    if not (cls.__module__.startswith("transformers.") or cls.__module__.startswith("torch.nn")):
+        return None
+    return _ACT_BY_CLASS.get(cls.__name__)
+
+
+def _act_label(act) -> str:
+    return getattr(act, "__name__", None) or type(act).__name__
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """The experts' arguments to `moe.dispatch` (besides hidden, weights and ids). `w13` / `w2`
+    are the module's own tensors or transposed views of them."""
+    w13: torch.Tensor
+    w2: torch.Tensor
+    activation: str = "silu"
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    alpha: float = 1.702
+    limit: float = 7.0
+    gate_up_interleaved: bool = False
+    weights_on_input: bool = False
+
+    def dispatch_kwargs(self) -> dict:
+        """Only the arguments that differ from the op's defaults: a Mixtral-style layout calls
+        moe.dispatch exactly as before the variants existed."""
+        kw = {}
+        if self.w13_bias is not None:
+            kw["w13_bias"] = self.w13_bias
+        if self.w2_bias is not None:
+            kw["w2_bias"] = self.w2_bias
+        if self.activation == "swiglu_oai":
+            kw["alpha"] = float(self.alpha)
+            kw["limit"] = float(self.limit)
+        if self.gate_up_interleaved:
+            kw["gate_up_interleaved"] = True
+        if self.weights_on_input:
+            kw["weights_on_input"] = True
+        return kw
+
+
+_OK_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+# (experts class, act_fn class, scalar settings, 2I) -> (activation, interleaved, alpha, limit) or a
+# problem string:
+# what a custom `_apply_gate` computes, found once by evaluating it (see _probe_custom_gate).
+_GATE_CACHE: dict = {}
+
+
+def _default_apply_gate():
+    try:
+        from transformers.integrations import moe as hf_moe
+    except ImportError:
+        return None
+    return getattr(hf_moe, "_default_apply_gate", None)
+
+
+def _swiglu_params(experts):
+    for a, lim in (("alpha", "limit"), ("swiglu_alpha", "swiglu_limit")):
+        alpha, limit = getattr(experts, a, None), getattr(experts, lim, None)
+        if isinstance(alpha, (int, float)) and isinstance(limit, (int, float)):
+            return float(alpha), float(limit)
+    return None
+
+
+def _gated_reference(gu: torch.Tensor, activation: str, interleaved: bool, alpha=1.702, limit=7.0):
+    if interleaved:
+        g, u = gu[..., ::2], gu[..., 1::2]
+    else:
+        g, u = gu.chunk(2, dim=-1)
+    if activation == "swiglu_oai":
+        g = g.clamp(max=limit)
+        u = u.clamp(min=-limit, max=limit)
+        return (u + 1) * g * torch.sigmoid(alpha * g)
+    act = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
+           "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[activation]
+    return act(g) * u
+
+
+def _probe_custom_gate(experts, two_i: int):
+    """(activation, interleaved, alpha, limit) that a class-level `_apply_gate` computes, found by
+    evaluating it on fixed values in [-12, 12] (beyond gpt-oss's clamp limit of 7) against each
+    candidate the op has; or a problem string. Done once per (class, act_fn class, alpha, limit):
+    the evaluation is a handful of float32 ops on the CPU, never traced."""
+    act = getattr(experts, "act_fn", None)
+    params = _swiglu_params(experts)
+    # Everything the gate may read besides the input: the class, the activation's class and the
+    # instance's scalar settings (a clamp limit set on some layers only, e.g. Step3p7's).
+    scalars = tuple(sorted((k, v) for k, v in vars(experts).items()
+                           if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))))
+    key = (type(experts), type(act), scalars, two_i)
+    if key in _GATE_CACHE:
+        return _GATE_CACHE[key]
+    gen = torch.Generator().manual_seed(0)
+    gu = (torch.rand(6, two_i, generator=gen) * 24.0 - 12.0)
+    try:
+        with torch.no_grad():
+            got = type(experts)._apply_gate(_ProbeSelf(experts), gu)
+    except Exception as e:  # noqa: BLE001  (any failure means: not a gate the op knows)
+        result = f"a custom {type(experts).__name__}._apply_gate that could not be evaluated ({e})"
+        _GATE_CACHE[key] = result
+        return result
+    candidates = []
+    if params is not None:
+        candidates += [("swiglu_oai", il, *params) for il in (True, False)]
+    for name in ("silu", "gelu", "gelu_tanh", "relu"):
+        candidates += [(name, il, 1.702, 7.0) for il in (False, True)]
+    result = None
+    for activation, interleaved, alpha, limit in candidates:
+        ref = _gated_reference(gu, activation, interleaved, alpha, limit)
+        if got.shape == ref.shape and torch.allclose(got.float(), ref, rtol=1e-5, atol=1e-6):
+            result = (activation, interleaved, alpha, limit)
+            break
+    if result is None:
+        result = (f"custom gating {type(experts).__name__}._apply_gate (not one of SiLU/GELU/ReLU "
+                  "gating or gpt-oss's clamped SwiGLU; e.g. a clamp around a plain SiLU)")
+    _GATE_CACHE[key] = result
+    return result
+
+
+class _ProbeSelf:
+    """The experts module's attributes, seen from `_apply_gate` during the probe, but with the
+    activation moved to the CPU (a module of transformers.activations holds no tensors anyway)."""
+
+    def __init__(self, experts):
+        self.__dict__["_m"] = experts
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_m"], name)
+
+
+def experts_layout(experts: torch.nn.Module, where: str | None = None) -> ExpertsLayout:
+    """The dispatch arguments of an experts module, or `UnsupportedModelError` naming every
+    difference the op does not compute."""
+    if type(experts).__name__ == "Llama4TextExperts":
+        return _llama4_layout(experts, where)
+    problems = []
+    if type(experts).__name__ == "DbrxExperts":
+        raise UnsupportedModelError(
+            f"moe_ops: DbrxExperts{f' ({where})' if where else ''}: DBRX keeps the gate (w1) and up "
+            "(v1) projections in two separate [E*I, H] tensors; moe.dispatch reads one w13 whose "
+            "gate and up rows share one stride, and joining them would copy the expert weights.")
+    w13 = getattr(experts, "gate_up_proj", None)
+    w2 = getattr(experts, "down_proj", None)
+    if not getattr(experts, "has_gate", True) or not isinstance(w13, torch.Tensor):
+        problems.append("ungated experts (has_gate=False: up_proj then an activation, no gate); "
+                        "moe.dispatch computes gated MLPs")
+    if not isinstance(w2, torch.Tensor):
+        problems.append("no down_proj tensor")
+    if getattr(experts, "has_post_expert_norm", False):
+        problems.append("a post-expert norm (has_post_expert_norm=True)")
+    transposed = bool(getattr(experts, "is_transposed", False)
+                      or getattr(experts, "experts_are_transposed", False))
+    activation, interleaved, alpha, limit = "silu", False, 1.702, 7.0
+    if not problems:
+        gate_fn = getattr(type(experts), "_apply_gate", None)
+        two_i = w13.shape[2] if transposed else w13.shape[1]
+        if gate_fn is not None and gate_fn is not _default_apply_gate():
+            found = _probe_custom_gate(experts, int(two_i))
+            if isinstance(found, str):
+                problems.append(found)
+            else:
+                activation, interleaved, alpha, limit = found
+        else:
+            # transformers' default gate: act_fn(first half) * second half.
+            act = getattr(experts, "act_fn", None)
+            name = activation_name(act) if act is not None else None
+            if act is None:
+                problems.append("no act_fn")
+            elif name is None:
+                problems.append(f"activation {_act_label(act)} (moe.dispatch gates with SiLU, GELU "
+                                "(erf or tanh), ReLU, or gpt-oss's clamped SwiGLU)")
+            else:
+                activation = name
+    b13 = getattr(experts, "gate_up_proj_bias", None)
+    b2 = getattr(experts, "down_proj_bias", None)
+    if getattr(experts, "has_bias", False) and not (isinstance(b13, torch.Tensor)
+                                                    and isinstance(b2, torch.Tensor)):
+        problems.append("has_bias=True without gate_up_proj_bias and down_proj_bias tensors")
+    if problems:
+        _raise(experts, where, problems)
+    v13 = w13.transpose(1, 2) if transposed else w13
+    v2 = w2.transpose(1, 2) if transposed else w2
+    _check_weights(experts, where, v13, v2, interleaved,
+                   b13 if isinstance(b13, torch.Tensor) else None,
+                   b2 if isinstance(b2, torch.Tensor) else None)
+    return ExpertsLayout(v13, v2, activation,
+                         b13 if isinstance(b13, torch.Tensor) else None,
+                         b2 if isinstance(b2, torch.Tensor) else None,
+                         alpha, limit, interleaved)
+
+
+def _llama4_layout(experts, where):
+    """Llama 4: gate_up_proj [E, H, 2I] (gate columns first), down_proj [E, I, H], and the router
+    weight multiplies the expert's input (Llama4TextMoe scales the tokens before the experts)."""
+    act = getattr(experts, "act_fn", None)
+    name = activation_name(act) if act is not None else None
+    if name is None:
+        _raise(experts, where, [f"activation {_act_label(act)} (moe.dispatch gates with SiLU, GELU "
+                                "(erf or tanh), ReLU, or gpt-oss's clamped SwiGLU)"])
+    v13, v2 = experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
+    _check_weights(experts, where, v13, v2, False, None, None)
+    return ExpertsLayout(v13, v2, name, weights_on_input=True)
+
+
+def _check_weights(experts, where, v13, v2, interleaved, b13, b2):
+    problems = []
+    if v13.dim() != 3 or v2.dim() != 3:
+        problems.append(f"weights of rank {v13.dim()}/{v2.dim()} (expected 3-D gate_up_proj and "
+                        "down_proj)")
+    elif not (v13.shape[0] == v2.shape[0] and v13.shape[1] == 2 * v2.shape[2]
+              and v13.shape[2] == v2.shape[1]):
+        problems.append(f"gate_up_proj {tuple(v13.shape)} / down_proj {tuple(v2.shape)} (as "
+                        "[E, 2I, H] / [E, H, I]) do not fit together")
+    else:
+        E, two_i, H = v13.shape
+        if b13 is not None and tuple(b13.shape) != (E, two_i):
+            problems.append(f"gate_up_proj_bias {tuple(b13.shape)} (expected {(E, two_i)})")
+        if b2 is not None and tuple(b2.shape) != (E, H):
+            problems.append(f"down_proj_bias {tuple(b2.shape)} (expected {(E, H)})")
+    for name, w in (("gate_up_proj", v13), ("down_proj", v2)):
+        if w.dtype not in _OK_DTYPES:
+            problems.append(f"{name} dtype {w.dtype} (quantized experts are not covered)")
+        elif w.dtype == torch.float64 and w.device.type not in ("cpu", "meta"):
+            problems.append(
+                f"{name} float64 on {w.device} (moe.dispatch runs float64 on the CPU only, "
+                "through its reference; on the GPU use bfloat16, float16 or float32)")
+    if problems:
+        _raise(experts, where, problems)
+
+
+def _raise(experts, where, problems):
+    at = f" ({where})" if where else ""
+    raise UnsupportedModelError(
+        f"moe_ops: {type(experts).__name__}{at} has an experts layout that moe.dispatch does not "
+        f"cover: {'; '.join(problems)}. moe.dispatch computes gated experts (gate_up_proj [E, 2I, H] "
+        "or its transpose, gate/up concatenated or interleaved, optional biases) with SiLU, GELU, "
+        "ReLU or gpt-oss's clamped SwiGLU gating.")

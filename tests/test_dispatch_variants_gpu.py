@@ -1,0 +1,166 @@
+"""GPU: moe.dispatch's expert variants (biases, activations, interleaved gate/up rows, transposed
+checkpoint-layout weights, the routing weight on the input) in bf16 against float64, CUDA-graph
+capture, no host sync, one compiled frame for every T, no weight-sized allocation for transposed
+gpt-oss weights, and the gpt-oss-20b expert shape. The CPU side (reference, interpreted kernels,
+gradcheck, opcheck, errors) is tests/test_dispatch_variants.py. Skipped without CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.testing
+from torch._dynamo.decorators import mark_unbacked
+
+import moe_ops
+from conftest import rel_err
+from moe_ops.ops.samples import VARIANTS, make_variant_inputs
+from test_dispatch_variants import _grads_oracle, _oracle64
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DEVICE = "cuda"
+VARIANT_IDS = [name for name, _, _ in VARIANTS]
+# Norm-wise bf16 error bounds against float64 (test_gpu.py's for the plain experts).
+BF16_FWD = 1.5e-2
+BF16_BWD = 2.5e-2
+GPT_OSS = VARIANTS[0]
+
+
+def _inputs(name, T, H=256, I=192, E=8, K=2, routing="negative", seed=0, requires_grad=False,
+            dtype=torch.bfloat16, **opts_extra):
+    _, opts, kw = {n: (n, o, k) for n, o, k in VARIANTS}[name]
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    args, b13, b2 = make_variant_inputs(T, H, I, E, K, dtype=dtype, device=DEVICE,
+                                        routing=routing, generator=g,
+                                        requires_grad=requires_grad, **dict(opts, **opts_extra))
+    return args, dict(kw, w13_bias=b13, w2_bias=b2)
+
+
+@pytest.mark.parametrize("T", [1, 5, 300])
+@pytest.mark.parametrize("name", VARIANT_IDS)
+def test_forward_backward_bf16(name, T):
+    """bf16 forward and all six gradients against float64 autograd (T = 1: the one-token
+    paths; 5: direct rows; 300: aligned rows)."""
+    args, kw = _inputs(name, T, seed=T, requires_grad=True)
+    out = moe_ops.dispatch(*args, **kw)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, _oracle64(args, kw)) <= BF16_FWD
+    go = torch.randn(out.shape, device=DEVICE, dtype=torch.bfloat16)
+    out.backward(go)
+    ref = _grads_oracle(args, kw, go)
+    for t, r in zip([*args[:4], kw["w13_bias"], kw["w2_bias"]], ref):
+        if t is None:
+            continue
+        assert t.grad is not None and t.grad.stride() == t.stride()
+        if r.norm() > 0:
+            assert rel_err(t.grad, r) <= BF16_BWD
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_recompute_and_saved_z_agree(recompute):
+    from moe_ops import set_recompute
+
+    args, kw = _inputs("gpt_oss", 64, seed=3, requires_grad=True)
+    old = set_recompute(recompute)
+    try:
+        out = moe_ops.dispatch(*args, **kw)
+        out.backward(torch.ones_like(out))
+    finally:
+        set_recompute(old)
+    ref = _grads_oracle(args, kw, torch.ones_like(out))
+    for t, r in zip([*args[:4], kw["w13_bias"], kw["w2_bias"]], ref):
+        assert rel_err(t.grad, r) <= BF16_BWD
+
+
+@pytest.mark.parametrize("T", [1, 8, 200])
+def test_cuda_graph_capture_and_no_host_sync(T):
+    """The gpt-oss variant captured in a CUDA graph replays on fresh inputs copied into its
+    static buffers; forward and backward run under set_sync_debug_mode("error")."""
+    args, kw = _inputs("gpt_oss", T, seed=T)
+    static = [a.clone() for a in args]
+    moe_ops.dispatch(*static, **kw)   # compile the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_ops.dispatch(*static, **kw)
+    fresh, _ = _inputs("gpt_oss", T, seed=T + 100)
+    for s, f in zip(static, fresh):
+        s.copy_(f)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, _oracle64(fresh, kw)) <= BF16_FWD
+
+    grad_args, gkw = _inputs("gpt_oss", T, seed=T + 1, requires_grad=True)
+    y = moe_ops.dispatch(*grad_args, **gkw)   # warm-up (kernel compiles may sync)
+    y.backward(torch.ones_like(y))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = moe_ops.dispatch(*grad_args, **gkw)
+        y.backward(torch.ones_like(y))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_fullgraph_one_frame_for_every_T():
+    """The gpt-oss variant routed by moe_ops.route inside one fullgraph Inductor frame, for
+    T = 1, 0, 3, 17, 256 without recompiling."""
+    torch._dynamo.reset()
+    (_, w13, w2, _, _), kw = _inputs("gpt_oss", 4, seed=0)
+    b13, b2 = kw.pop("w13_bias"), kw.pop("w2_bias")
+    router = torch.randn(256, 8, device=DEVICE, dtype=torch.bfloat16)
+
+    def f(h, w13, w2, b13, b2):
+        w, ids = moe_ops.route(h @ router, 2)
+        return moe_ops.dispatch(h, w13, w2, w, ids, w13_bias=b13, w2_bias=b2, **kw), w, ids
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    for i, T in enumerate([1, 0, 3, 17, 256]):
+        h = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
+        if i == 0:
+            mark_unbacked(h, 0)
+        with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            out, w, ids = compiled(h, w13, w2, b13, b2)
+        if T:
+            full = dict(kw, w13_bias=b13, w2_bias=b2)
+            assert rel_err(out, _oracle64((h, w13, w2, w, ids), full)) <= BF16_FWD
+    assert counter.frame_count == 1
+
+
+def test_transposed_weights_allocate_no_weight_copy():
+    """gpt-oss's [E, H, 2I] / [E, I, H] storage passed as transposed views: the forward's peak
+    allocation stays well under one weight's bytes (no copy of either)."""
+    args, kw = _inputs("gpt_oss", 16, H=1024, I=1024, E=16, K=4, seed=5)
+    moe_ops.dispatch(*args, **kw)   # kernels compiled, allocator warm
+    torch.cuda.synchronize()
+    w13_bytes = args[1].numel() * args[1].element_size()
+    w2_bytes = args[2].numel() * args[2].element_size()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = moe_ops.dispatch(*args, **kw)
+    torch.cuda.synchronize()
+    delta = torch.cuda.max_memory_allocated() - base
+    assert delta < min(w13_bytes, w2_bytes) / 4, (delta, w13_bytes, w2_bytes)
+    del out
+
+
+@pytest.mark.parametrize("T", [1, 4, 64, 1024])
+def test_gpt_oss_20b_shape(T):
+    """E = 32, K = 4, H = I = 2880, biases, swiglu_oai (alpha 1.702, limit 7), interleaved
+    gate/up, weights as transposed views of the checkpoint layout: bf16 forward against float64
+    (the reference expert by expert)."""
+    from moe_ops.reference import dispatch_reference
+
+    E, K, H, I = 32, 4, 2880, 2880
+    g = torch.Generator(device=DEVICE).manual_seed(T)
+    args, b13, b2 = make_variant_inputs(T, H, I, E, K, device=DEVICE, dtype=torch.bfloat16,
+                                        generator=g, w13_bias=True, w2_bias=True,
+                                        transpose_w13=True, transpose_w2=True, weight_std=0.02)
+    kw = dict(activation="swiglu_oai", alpha=1.702, limit=7.0, gate_up_interleaved=True,
+              w13_bias=b13, w2_bias=b2)
+    out = moe_ops.dispatch(*args, **kw)
+    ref = dispatch_reference(args[0].double(), args[1], args[2], args[3].double(), args[4],
+                             w13_bias=b13.double(), w2_bias=b2.double(),
+                             **{k: v for k, v in kw.items() if "bias" not in k})
+    assert rel_err(out, ref) <= BF16_FWD

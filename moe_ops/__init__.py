@@ -15,9 +15,11 @@ def _register_integrations():
         import transformers  # noqa: F401
     except ImportError:
         return
+    from moe_ops.integrations.hf_quant import register_fp8_experts_interface
     from moe_ops.integrations.huggingface import register_experts_interface
 
     register_experts_interface()
+    register_fp8_experts_interface()   # FineGrainedFP8 experts (DeepSeek-V3, Qwen3-MoE FP8)
 
 
 _register_integrations()

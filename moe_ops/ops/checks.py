@@ -166,8 +166,8 @@ def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation="silu", w
         check_quantized_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
                                  w2_bias, gate_up_interleaved, weights_on_input, w13_scale,
                                  w2_scale, block_shape, quantize_activations)
-        _check_weight_layout("w13", w13)
-        _check_weight_layout("w2", w2)
+        check_weight_layout("w13", w13)
+        check_weight_layout("w2", w2)
         return
     check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     dev = hidden.device.type

@@ -226,6 +226,9 @@ def _cases():
     c["rep_swiglu_oai_biases"] = lambda r, W, g, d, t: check_parity(
         r, W, g, E=8, K=2, mode="replicated", activation="swiglu_oai", biases=True, device=d,
         dtype=t, seed=26)
+    c["a2a_fp8_experts"] = _case_fp8
+    c["rep_fp8_experts"] = lambda r, W, g, d, t: _case_fp8(r, W, g, d, t, mode="replicated")
+    c["sf_fp8_experts"] = lambda r, W, g, d, t: _case_fp8(r, W, g, d, t, sync_free=True)
     c["setup_errors"] = _case_setup_errors
     c["ids_beyond_e_checked"] = _case_ids_check
     c["unequal_tokens_checked"] = _case_unequal_tokens_checked
@@ -266,6 +269,54 @@ def _case_overflow(rank, W, group, device, dtype):
     # CPU: torch._assert_async raises at the call with the message; CUDA: a device-side assert
     # (the message goes to stderr; the CUDA context is lost: run this case last)
     _expect(RuntimeError, "capacity = 2" if str(device) == "cpu" else "device-side assert", call)
+
+
+def _case_fp8(rank, W, group, device, dtype, mode="all_to_all", sync_free=False):
+    """FP8 block-quantized experts (frozen; the scales are the local shard's, like biases):
+    forward and the hidden / topk_weights / bias gradients equal single-process moe.dispatch on
+    the full quantized weights (float32 activations)."""
+    if "w13_scale" not in inspect.signature(moe_ops.dispatch).parameters:
+        raise CaseSkipped("this moe_ops.dispatch has no quantized weights")
+    from moe_ops.reference.quant import quantize_fp8_block
+
+    E, H, I, K, bs = 2 * W + 1, 64, 32, 3, [16, 32]
+    tokens = [5, 3, 0, 6][:W] if mode == "all_to_all" and not sync_free else [5] * W
+    if mode == "replicated":
+        tokens = [tokens[0]] * W
+    w13, w2, per = _problem(W, E=E, H=H, I=I, K=K, tokens=tokens, seed=40, dtype=torch.float32,
+                            device=device)
+    q13, s13 = quantize_fp8_block(w13.cpu(), bs)
+    q2, s2 = quantize_fp8_block(w2.cpu(), bs)
+    g = torch.Generator().manual_seed(41)
+    b13, b2 = torch.randn(E, 2 * I, generator=g) * 0.1, torch.randn(E, H, generator=g) * 0.1
+    full = [t.to(device) for t in (q13, s13, q2, s2, b13, b2)]
+    src = per[0] if mode == "replicated" else per[rank]
+    first, count = even_shard(E, W, rank)
+    loc = [t[first:first + count] for t in full]
+    x = src["x"].clone().requires_grad_()
+    w = src["w"].clone().requires_grad_()
+    lb13, lb2 = (t.clone().requires_grad_() for t in loc[4:])
+    out = expert_parallel_dispatch(x, loc[0], loc[2], w, src["ids"], first_expert=first,
+                                   num_experts=E, group=group, mode=mode, sync_free=sync_free,
+                                   w13_scale=loc[1], w2_scale=loc[3], block_shape=bs,
+                                   w13_bias=lb13, w2_bias=lb2)
+    (out * src["gout"]).sum().backward()
+    ref_per = per[:1] if mode == "replicated" else per
+    rx = torch.cat([p["x"] for p in ref_per]).cpu().requires_grad_()
+    rw = torch.cat([p["w"] for p in ref_per]).cpu().requires_grad_()
+    rb13, rb2 = b13.clone().requires_grad_(), b2.clone().requires_grad_()
+    ref = moe_ops.dispatch(rx, q13, q2, rw, torch.cat([p["ids"] for p in ref_per]).cpu(),
+                           w13_scale=s13, w2_scale=s2, block_shape=bs, w13_bias=rb13, w2_bias=rb2)
+    (ref * torch.cat([p["gout"] for p in ref_per]).cpu()).sum().backward()
+    rows = slice(0, tokens[0]) if mode == "replicated" else \
+        slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
+    errs = {"out": _rel(out.detach().cpu(), ref.detach()[rows]),
+            "hidden": _rel(x.grad.cpu(), rx.grad[rows]),
+            "topk_weights": _rel(w.grad.cpu(), rw.grad[rows]),
+            "w13_bias": _rel(lb13.grad.cpu(), rb13.grad[first:first + count]),
+            "w2_bias": _rel(lb2.grad.cpu(), rb2.grad[first:first + count])}
+    bad = {k: v for k, v in errs.items() if not v <= 1e-5}
+    assert not bad, f"rank {rank}: {bad} (all: {errs})"
 
 
 def _case_setup_errors(rank, W, group, device, dtype):

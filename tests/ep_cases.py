@@ -142,7 +142,17 @@ def check_parity(rank, W, group, *, E, H=8, I=6, K=2, tokens=None, mode="all_to_
     errs = {"out": _rel(out.cpu(), ref_out[rows])}
     if backward:
         (out * mine["gout"]).sum().backward()
-        errs.update(hidden=_rel(x.grad.cpu(), gx[rows]), topk_weights=_rel(w.grad.cpu(), gw[rows]),
+        gw_err = _rel(w.grad.cpu(), gw[rows])
+        if (dtype != torch.float64 and not biases and not kwargs.get("weights_on_input")
+                and kwargs.get("activation", "silu") == "silu"):
+            # bf16/fp16 (GPU runs): d topk_weights is one dot product per slot that can cancel;
+            # its error is taken relative to the size of its terms (conftest.ds_scale)
+            from conftest import ds_scale
+            scale = ds_scale(mine["gout"].cpu(), mine["x"].cpu(), w13.cpu(), w2.cpu(),
+                             mine["w"].cpu(), mine["ids"].cpu())
+            gw_err = ((w.grad.cpu().double() - gw[rows].double()).norm()
+                      / max(scale.norm().item(), 1e-30)).item()
+        errs.update(hidden=_rel(x.grad.cpu(), gx[rows]), topk_weights=gw_err,
                     w13=_rel(a.grad.cpu(), ga[first:first + count]),
                     w2=_rel(b.grad.cpu(), gb[first:first + count]))
         for name, t, gref in zip(("w13_bias", "w2_bias"), local_bias or [], gbias):
@@ -315,7 +325,10 @@ def _case_fp8(rank, W, group, device, dtype, mode="all_to_all", sync_free=False)
             "topk_weights": _rel(w.grad.cpu(), rw.grad[rows]),
             "w13_bias": _rel(lb13.grad.cpu(), rb13.grad[first:first + count]),
             "w2_bias": _rel(lb2.grad.cpu(), rb2.grad[first:first + count])}
-    bad = {k: v for k, v in errs.items() if not v <= 1e-5}
+    # CPU: the same reference arithmetic on both sides; CUDA: the FP8 kernels (W8A8) against
+    # the CPU reference
+    tol = 1e-5 if str(device) == "cpu" else 2e-2
+    bad = {k: v for k, v in errs.items() if not v <= tol}
     assert not bad, f"rank {rank}: {bad} (all: {errs})"
 
 

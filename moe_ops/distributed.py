@@ -57,11 +57,14 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF
 
 
-def _require_initialized(where: str):
+def _require_initialized(where: str, group=None):
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            f"{where}: the torch.distributed process group is not initialised; call "
+        raise ValueError(
+            f"{where}: group: the torch.distributed process group is not initialised; call "
             "torch.distributed.init_process_group(backend=...) on every rank first")
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(f"{where}: group: this process (global rank {dist.get_rank()}) is not "
+                         "a member of the given process group")
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,7 +101,7 @@ class ExpertParallelGroup:
         rank's shard metadata and checks that the shards tile [0, num_experts), that H, I and the
         weight dtypes agree. Raises the same error on every rank, naming the ranks that disagree."""
         where = "ExpertParallelGroup.setup"
-        _require_initialized(where)
+        _require_initialized(where, group)
         group = dist.group.WORLD if group is None else group
         for name, w, what in (("w13_local", w13_local, "[E_local, 2I, H]"),
                               ("w2_local", w2_local, "[E_local, H, I]")):
@@ -148,11 +151,12 @@ class ExpertParallelGroup:
         for col, name in ((8, "w13_local"), (9, "w2_local")):
             codes = [r[col] for r in rows]
             if len(set(codes)) != 1:
-                mine = w13_local.dtype if col == 8 else w2_local.dtype
-                bad = [i for i, c in enumerate(codes) if c != codes[0]]
-                raise TypeError(
-                    f"{where}: {name}'s dtype differs across ranks (this rank: {mine}; ranks "
-                    f"{bad} differ from rank 0); every rank must hold its shard in one dtype")
+                names = {_dtype_code(d): str(d) for d in vars(torch).values()
+                         if isinstance(d, torch.dtype)}
+                per_rank = ", ".join(f"rank {i}: {names.get(c, f'dtype #{c}')}"
+                                     for i, c in enumerate(codes))
+                raise TypeError(f"{where}: {name}'s dtype differs across ranks ({per_rank}); "
+                                "every rank must hold its shard in one dtype")
         E = rows[0][2]
         if E < 1:
             raise ValueError(f"{where}: num_experts must be >= 1, got {E}")
@@ -202,7 +206,7 @@ def _resolve_group(group, w13_local, w2_local, first_expert, num_experts) -> Exp
                 f"(first_expert={group.first_expert}, num_experts={group.num_experts}, "
                 f"{group.num_local_experts} local experts)")
         return group
-    _require_initialized("expert_parallel_dispatch")
+    _require_initialized("expert_parallel_dispatch", group)
     pg = dist.group.WORLD if group is None else group
     key = (id(pg), first_expert, tuple(w13_local.shape), tuple(w2_local.shape), num_experts,
            w13_local.dtype, w2_local.dtype, str(w13_local.device))
@@ -562,6 +566,13 @@ def _exchange_plan(owner, epg, group_name, sync_free, capacity) -> _Plan:
         C = T if capacity is None else capacity
         send_splits = recv_splits = [C] * W
         keep = goes & (pos < C)
+        if C < T and checks_enabled() and not torch.compiler.is_compiling():
+            needed = int(goes.sum(0).max())   # MOE_OPS_CHECK=1: count first (a host read)
+            if needed > C:
+                raise ValueError(
+                    f"expert_parallel_dispatch: capacity = {C} is below the {needed} rows this "
+                    f"rank sends to one rank (sync_free=True); raise capacity (at most T_rank = "
+                    f"{T} is ever needed)")
         if C < T:
             overflow = goes & ~keep
             torch._assert_async(

@@ -5,7 +5,7 @@ path; every path has a fallback that runs on the oldest supported Triton (3.6).
 | feature | first seen | used for |
 |---|---|---|
 | host tensor descriptors (triton.tools.tensor_descriptor) | 3.4 | TMA weight and activation tiles (sm_90+) |
-| tl.dot_scaled | 3.3 | not used: MXFP4 tiles are dequantized to bf16 in registers, the same on every version |
+| tl.dot_scaled | 3.3 | an optional MXFP4 path (QuantDispatchConfig.mxfp4_dot_scaled, off by default until measured); the default decodes MXFP4 to bf16 in registers on every version |
 | Gluon Hopper TMA load (`async_copy_global_to_shared` / `async_load`) | 3.6 / 3.8 | not used yet |
 | Gluon TMA multicast in CTA clusters (`multicast=`) | 3.7 | not used yet |
 | warp specialisation (`tl.range(warp_specialize=True)`) | 3.4 | not used: on Triton 3.6 / H200 its kernels returned NaN and stale tiles beside another process using the GPU (docs/design.md) |

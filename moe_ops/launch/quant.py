@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton.language as tl
+import triton.language as tl  # noqa: F401
+
+from moe_ops import _features
 
 from moe_ops._runtime import cdiv, next_pow2
 from moe_ops.launch._common import kernel_for
@@ -40,8 +42,8 @@ class QuantDispatchConfig:
 
 def has_dot_scaled() -> bool:
     """Whether this Triton has tl.dot_scaled with an e2m1 right operand and a bf16/fp16 left one
-    (3.6 and 3.9 do: both compile it for sm_90 to bf16 wgmma). The one place that decides."""
-    return hasattr(tl, "dot_scaled")
+    (3.6 and 3.9 do: both compile it for sm_90 to bf16 wgmma); moe_ops._features decides."""
+    return _features.dot_scaled()
 
 
 def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: int,

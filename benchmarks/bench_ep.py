@@ -14,9 +14,11 @@ experts), the same statistics on every rank.
 Phases, timed separately with a barrier before each repetition (CUDA events on GPUs): "a2a" is the
 exchange plan (on the default path including its one host read of the split sizes) and the
 all-to-all of the rows and their routing; "compute" is moe.dispatch on the local experts of the
-received rows; "combine" is the all-to-all back and the per-token sum. "layer" is the whole
-expert_parallel_dispatch call, timed on its own (the phases overlap nothing here: the layer is
-their sum plus launch gaps). "single" is moe_ops.dispatch on one device with T tokens and K
+received rows; "combine" is the all-to-all back and the per-token sum ("pipelined": the default
+form with --pipeline-chunks token ranges whose exchanges overlap compute; layer time only).
+"layer" is the whole
+expert_parallel_dispatch call, timed on its own (unpipelined, the layer is the phases' sum plus
+launch gaps). "single" is moe_ops.dispatch on one device with T tokens and K
 slots each over this rank's E_local experts (K capped at E_local): the same flops as the
 average local work. With --cuda-graph, the sync-free layer is also captured in a CUDA graph at
 decode sizes (T <= --graph-max-tokens) and its replay timed.
@@ -111,11 +113,13 @@ def bench_case(shape, T, mode, args, device, dtype, timer):
     sync_free = mode == "sync_free"
     m = "replicated" if mode == "replicated" else "all_to_all"
     kw = dict(first_expert=first, num_experts=E, group=epg, mode=m, sync_free=sync_free)
+    if mode == "pipelined":
+        kw["pipeline_chunks"] = args.pipeline_chunks
     it, wu = args.iters, args.warmup
     row = dict(shape=shape, mode=mode, W=W, rank=rank, T=T, E_local=count)
     with torch.no_grad():
         row["layer_us"] = timer(lambda: expert_parallel_dispatch(x, w13, w2, w, ids, **kw), it, wu)
-        if m == "all_to_all":
+        if mode in ("all_to_all", "sync_free"):   # (the pipelined layer has no separate phases)
             owner_of, starts = epg.owner_table(device)
             idl = ids.long()
             owner = torch.where(idl >= 0, owner_of[idl.clamp(min=0)], -1)
@@ -230,7 +234,9 @@ def main(argv=None):
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 128, 2048, 8192],
                    help="tokens per rank")
     p.add_argument("--modes", nargs="+", default=["all_to_all", "sync_free"],
-                   choices=["all_to_all", "sync_free", "replicated"])
+                   choices=["all_to_all", "sync_free", "pipelined", "replicated"])
+    p.add_argument("--pipeline-chunks", type=int, default=4,
+                   help="token ranges of the 'pipelined' mode (all-to-all overlapping compute)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cuda-graph", action="store_true",

@@ -5,8 +5,9 @@ full weights (single process). One process per GPU:
 
     torchrun --nproc-per-node 2 benchmarks/ep_gpu_check.py                 # every case but one
     torchrun --nproc-per-node 2 benchmarks/ep_gpu_check.py --cases sf_capacity_overflow_raises
+    torchrun --nproc-per-node 2 benchmarks/ep_gpu_check.py --cases repeated_ids_k_above_local_raise
 
-The overflow case ends in a device-side assert, after which the CUDA context is unusable: it
+The two error cases end in a device-side assert, after which the CUDA context is unusable: each
 runs on its own. Prints one line per case and rank; exits 1 if any case failed. Sets no NCCL or
 NVLS environment variable."""
 from __future__ import annotations
@@ -25,7 +26,8 @@ for p in (_ROOT, os.path.join(_ROOT, "tests")):
 import ep_cases  # noqa: E402
 import torch  # noqa: E402
 
-LAST = ("sf_capacity_overflow_raises",)
+# these end in a device-side assert (the CUDA context is lost): run each on its own, last
+LAST = ("sf_capacity_overflow_raises", "repeated_ids_k_above_local_raise")
 
 
 def main():

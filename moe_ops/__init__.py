@@ -15,9 +15,11 @@ def _register_integrations():
         import transformers  # noqa: F401
     except ImportError:
         return
+    from moe_ops.integrations.hf_quant import register_fp8_experts_interface
     from moe_ops.integrations.huggingface import register_experts_interface
 
     register_experts_interface()
+    register_fp8_experts_interface()   # FineGrainedFP8 experts (DeepSeek-V3, Qwen3-MoE FP8)
 
 
 _register_integrations()
@@ -32,7 +34,7 @@ def _decorate_kernels():
         import triton  # noqa: F401
     except ImportError:   # the PyTorch reference still runs on CPU
         return
-    from moe_ops.launch import alignment, dispatch, dispatch_backward, routing  # noqa: F401
+    from moe_ops.launch import alignment, dispatch, dispatch_backward, quant, routing  # noqa: F401
 
 
 _decorate_kernels()

@@ -57,11 +57,14 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF
 
 
-def _require_initialized(where: str):
+def _require_initialized(where: str, group=None):
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            f"{where}: the torch.distributed process group is not initialised; call "
+        raise ValueError(
+            f"{where}: group: the torch.distributed process group is not initialised; call "
             "torch.distributed.init_process_group(backend=...) on every rank first")
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(f"{where}: group: this process (global rank {dist.get_rank()}) is not "
+                         "a member of the given process group")
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,7 +101,7 @@ class ExpertParallelGroup:
         rank's shard metadata and checks that the shards tile [0, num_experts), that H, I and the
         weight dtypes agree. Raises the same error on every rank, naming the ranks that disagree."""
         where = "ExpertParallelGroup.setup"
-        _require_initialized(where)
+        _require_initialized(where, group)
         group = dist.group.WORLD if group is None else group
         for name, w, what in (("w13_local", w13_local, "[E_local, 2I, H]"),
                               ("w2_local", w2_local, "[E_local, H, I]")):
@@ -148,11 +151,12 @@ class ExpertParallelGroup:
         for col, name in ((8, "w13_local"), (9, "w2_local")):
             codes = [r[col] for r in rows]
             if len(set(codes)) != 1:
-                mine = w13_local.dtype if col == 8 else w2_local.dtype
-                bad = [i for i, c in enumerate(codes) if c != codes[0]]
-                raise TypeError(
-                    f"{where}: {name}'s dtype differs across ranks (this rank: {mine}; ranks "
-                    f"{bad} differ from rank 0); every rank must hold its shard in one dtype")
+                names = {_dtype_code(d): str(d) for d in vars(torch).values()
+                         if isinstance(d, torch.dtype)}
+                per_rank = ", ".join(f"rank {i}: {names.get(c, f'dtype #{c}')}"
+                                     for i, c in enumerate(codes))
+                raise TypeError(f"{where}: {name}'s dtype differs across ranks ({per_rank}); "
+                                "every rank must hold its shard in one dtype")
         E = rows[0][2]
         if E < 1:
             raise ValueError(f"{where}: num_experts must be >= 1, got {E}")
@@ -175,8 +179,9 @@ class ExpertParallelGroup:
                 f"{where}: the expert shards cover [0, {nxt}), not [0, num_experts={E}); "
                 f"shards (first_expert, count) per rank: {[(r[0], r[1]) for r in rows]}")
 
-    def owner_table(self, device) -> torch.Tensor:
-        """[E] int64: the rank that holds each expert (cached per device)."""
+    def owner_table(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """([E] int64: the rank that holds each expert, [W] int64: each rank's first expert),
+        cached per device."""
         key = str(device)
         cache = self.__dict__.setdefault("_owner", {})
         if key not in cache:
@@ -201,7 +206,7 @@ def _resolve_group(group, w13_local, w2_local, first_expert, num_experts) -> Exp
                 f"(first_expert={group.first_expert}, num_experts={group.num_experts}, "
                 f"{group.num_local_experts} local experts)")
         return group
-    _require_initialized("expert_parallel_dispatch")
+    _require_initialized("expert_parallel_dispatch", group)
     pg = dist.group.WORLD if group is None else group
     key = (id(pg), first_expert, tuple(w13_local.shape), tuple(w2_local.shape), num_experts,
            w13_local.dtype, w2_local.dtype, str(w13_local.device))
@@ -224,6 +229,15 @@ def _a2a(t, out_splits, in_splits, group_name):
     return c.wait_tensor(c.all_to_all_single(t.contiguous(), out_splits, in_splits, group_name))
 
 
+def _a2a_issue(t, out_splits, in_splits, group_name):
+    return _c10d().all_to_all_single(t.contiguous(), out_splits, in_splits, group_name)
+
+
+def _wait(t):
+    # differentiable (identity backward, registered by torch.distributed)
+    return _c10d().wait_tensor(t)
+
+
 def _all_reduce(t, group_name):
     c = _c10d()
     return c.wait_tensor(c.all_reduce(t.contiguous(), "sum", group_name))
@@ -236,20 +250,24 @@ class _AllToAll(torch.autograd.Function):
     first: torch.compile traces it without a graph break."""
 
     @staticmethod
-    def forward(ctx, x, y, group_name, out_splits, in_splits):
+    def forward(ctx, x, y, group_name, out_splits, in_splits, wait=True):
+        # wait=False: the outputs are still being received; the caller waits on them
+        # (_wait) right before their first use, so that compute enqueued in between overlaps
+        # the exchange (NCCL runs it on its own stream)
         ctx.group_name, ctx.out_splits, ctx.in_splits = group_name, out_splits, in_splits
         ctx.has_y = y is not None
-        ox = _a2a(x, out_splits, in_splits, group_name)
+        send = _a2a if wait else _a2a_issue
+        ox = send(x, out_splits, in_splits, group_name)
         if y is None:
             return ox
-        return ox, _a2a(y, out_splits, in_splits, group_name)
+        return ox, send(y, out_splits, in_splits, group_name)
 
     @staticmethod
     def backward(ctx, gx, gy=None):
         gx = _a2a(gx, ctx.in_splits, ctx.out_splits, ctx.group_name)
         if ctx.has_y:
             gy = _a2a(gy, ctx.in_splits, ctx.out_splits, ctx.group_name)
-        return gx, gy, None, None, None
+        return gx, gy, None, None, None, None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
@@ -353,7 +371,8 @@ def expert_parallel_dispatch(hidden: torch.Tensor, w13_local: torch.Tensor, w2_l
                              topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                              first_expert: int, num_experts: int, group=None,
                              mode: str = "all_to_all", sync_free: bool = False,
-                             capacity: int | None = None, **dispatch_kwargs) -> torch.Tensor:
+                             capacity: int | None = None, pipeline_chunks: int = 1,
+                             **dispatch_kwargs) -> torch.Tensor:
     """Expert-parallel `moe.dispatch`: every rank of `group` calls it with its tokens `hidden`
     [T_rank, H], their global routing `topk_weights`/`topk_ids` [T_rank, K], and its expert shard
     `w13_local` [E_local, 2I, H], `w2_local` [E_local, H, I] holding the global experts
@@ -362,28 +381,51 @@ def expert_parallel_dispatch(hidden: torch.Tensor, w13_local: torch.Tensor, w2_l
     w13_local, w2_local and any local-shard biases passed through `dispatch_kwargs`).
 
     `group`: a ProcessGroup (None: the default group) or an `ExpertParallelGroup`. Without an
-    ExpertParallelGroup the first call for a given shard runs its set-up check (a collective).
+    ExpertParallelGroup the first call for a given shard runs its set-up check (a collective,
+    cached); under torch.compile pass an ExpertParallelGroup made beforehand. Every rank must
+    agree on which inputs require gradients (the backward's collectives follow the graph).
 
     `mode="all_to_all"`: each rank brings its own tokens. The default reads the split sizes on
     the host (one device-to-host sync per call). `sync_free=True` sizes every buffer from shapes:
     each rank sends `capacity` rows (default T_rank, the worst case: a token goes at most once to
-    each rank) to every rank, so every rank must pass the same T_rank (or the same capacity). A
-    rank that would send more than `capacity` rows to one rank fails loudly: on the CPU a
-    RuntimeError at the call; on CUDA a device-side assert (torch._assert_async) that surfaces at
-    the next host synchronisation, and the overflowing tokens' outputs are NaN; never a silent
-    drop.
+    each rank) to every rank, so every rank must pass the same capacity (by default: the same
+    T_rank, as a CUDA-graph decode step padded to a fixed batch does; MOE_OPS_CHECK=1 verifies
+    it). A rank that would send more than `capacity` rows to one rank fails loudly: on the CPU a
+    RuntimeError at the call; on CUDA a device-side assert (torch._assert_async) that surfaces
+    at the next host synchronisation (the CUDA context is then unusable, as after any device
+    assert), and the overflowing tokens' outputs are NaN; never a silent drop. With K > E_local
+    and a token routed to the same expert twice, the same assert fires (a token has at most
+    E_local distinct experts on one rank; repeated ids are unsupported there).
+
+    `pipeline_chunks` (default mode only; the same on every rank): splits the tokens into that
+    many ranges whose exchanges overlap the other ranges' expert compute (chunk i+1's rows travel
+    while chunk i's experts run; chunk i's results travel back while chunk i+1's run), still one
+    host read per call. Worth it at large T (prefill, training), where the exchange costs a
+    fraction of the compute; 1 (no pipelining) for decode.
 
     `mode="replicated"`: every rank passes the same tokens and routing; each computes its own
     experts and an all-reduce sums the outputs. The backward assumes the loss is replicated (the
     same on every rank): the reduction's backward is the identity and the gradients of hidden
-    and topk_weights are summed over the group.
+    and topk_weights are summed over the group. The output is the full [T, H] on every rank (an
+    all-reduce, not a reduce-scatter: the result keeps the contract's [T_rank, H]; sequence-
+    parallel callers that want a slice use the all-to-all form on their own slice instead).
 
     Ids < 0 contribute nothing; ids >= num_experts raise ValueError with MOE_OPS_CHECK=1 (a host
     sync) and contribute nothing otherwise.
     """
     _check_args(hidden, w13_local, w2_local, topk_weights, topk_ids, first_expert, num_experts,
                 mode, sync_free, capacity)
+    if not isinstance(pipeline_chunks, int) or isinstance(pipeline_chunks, bool) \
+            or pipeline_chunks < 1:
+        raise ValueError(f"expert_parallel_dispatch: pipeline_chunks must be an int >= 1, got "
+                         f"{pipeline_chunks!r}")
+    if pipeline_chunks > 1 and (sync_free or mode != "all_to_all"):
+        raise ValueError("expert_parallel_dispatch: pipeline_chunks > 1 applies to "
+                         "mode='all_to_all' without sync_free")
     epg = _resolve_group(group, w13_local, w2_local, first_expert, num_experts)
+    if (checks_enabled() and not torch.compiler.is_compiling()
+            and (sync_free or mode == "replicated")):
+        _check_same_tokens(epg, hidden, mode, capacity)
     group_name = epg.group_name
     owner_of, starts = epg.owner_table(hidden.device)
     ids = topk_ids.long()
@@ -393,7 +435,28 @@ def expert_parallel_dispatch(hidden: torch.Tensor, w13_local: torch.Tensor, w2_l
         return _replicated(hidden, w13_local, w2_local, topk_weights, ids, owner, epg,
                            group_name, dispatch_kwargs)
     return _all_to_all(hidden, w13_local, w2_local, topk_weights, ids, owner, starts, epg,
-                       group_name, sync_free, capacity, dispatch_kwargs)
+                       group_name, sync_free, capacity, dispatch_kwargs, pipeline_chunks)
+
+
+def _check_same_tokens(epg, hidden, mode, capacity):
+    """MOE_OPS_CHECK=1 (a collective and a host read): the forms whose buffers are sized from
+    shapes need the same T (sync-free: the same capacity) on every rank; a mismatch would make
+    the collectives fail (gloo) or hang / read garbage (NCCL)."""
+    T = hidden.shape[0]
+    mine = torch.tensor([T, -1 if capacity is None else capacity], dtype=torch.int64,
+                        device=hidden.device)
+    rows = [torch.empty_like(mine) for _ in range(epg.world_size)]
+    dist.all_gather(rows, mine, group=epg.group)
+    vals = [tuple(r.tolist()) for r in rows]
+    if len(set(vals)) != 1:
+        what = ("the same tokens (T)" if mode == "replicated" else
+                "the same T_rank, or the same capacity")
+        per_rank = ", ".join(f"rank {i}: T={t}" + ("" if c < 0 else f", capacity={c}")
+                             for i, (t, c) in enumerate(vals))
+        if mode != "replicated" and len({c for _, c in vals}) == 1 and vals[0][1] >= 0:
+            return   # one capacity everywhere: T may differ
+        raise ValueError(f"expert_parallel_dispatch(mode={mode!r}, sync_free=...) needs {what} "
+                         f"on every rank ({per_rank})")
 
 
 def _replicated(hidden, w13_local, w2_local, topk_weights, ids, owner, epg, group_name, kwargs):
@@ -404,7 +467,10 @@ def _replicated(hidden, w13_local, w2_local, topk_weights, ids, owner, epg, grou
 
 
 def _all_to_all(hidden, w13_local, w2_local, topk_weights, ids, owner, starts, epg, group_name,
-                sync_free, capacity, kwargs):
+                sync_free, capacity, kwargs, chunks=1):
+    if chunks > 1:
+        return _all_to_all_pipelined(hidden, w13_local, w2_local, topk_weights, ids, owner,
+                                     starts, epg, group_name, kwargs, chunks)
     plan = _exchange_plan(owner, epg, group_name, sync_free, capacity)
     recv_hidden, recv_w, recv_ids = _shuffle(hidden, topk_weights, ids, owner, starts, plan,
                                              group_name)
@@ -429,6 +495,64 @@ class _Plan:
     overflow: torch.Tensor | None
 
 
+def _goes(owner, W):
+    # goes[t, d]: token t has at least one expert on rank d
+    return (owner.unsqueeze(2) == torch.arange(W, device=owner.device)).any(1)
+
+
+def _plan_from_counts(goes, send_counts, send_splits, recv_splits, R) -> _Plan:
+    """The default-mode plan of a token range, its split sizes known on the host."""
+    T, W = goes.shape
+    ranks = torch.arange(W, device=goes.device)
+    pos = goes.long().cumsum(0) - 1
+    n_send = sum(send_splits)
+    offsets = send_counts.cumsum(0) - send_counts
+    row = torch.where(goes, offsets + pos, n_send)
+    dst = torch.repeat_interleave(ranks, send_counts, output_size=n_send)
+    tok = torch.arange(T, device=goes.device).unsqueeze(1).expand(T, W)
+    src = torch.full((n_send + 1,), T, dtype=torch.long, device=goes.device)
+    src = src.scatter(0, row.reshape(-1), tok.reshape(-1))[:n_send]
+    return _Plan(T, W, R, row, src, dst, n_send, send_splits, recv_splits, None)
+
+
+def _all_to_all_pipelined(hidden, w13_local, w2_local, topk_weights, ids, owner, starts, epg,
+                          group_name, kwargs, chunks):
+    """The default all-to-all form in `chunks` token ranges, pipelined: chunk i+1's rows are
+    on their way while chunk i's experts run, and chunk i's results travel back while chunk
+    i+1's run. One exchange of the per-chunk counts and one host read for all chunks."""
+    T, W = hidden.shape[0], epg.world_size
+    cs = -(-T // chunks)
+    bounds = [(min(c * cs, T), min((c + 1) * cs, T)) for c in range(chunks)]
+    goes = _goes(owner, W)
+    send_counts = torch.stack([goes[a:b].sum(0) for a, b in bounds])               # [n, W]
+    recv_counts = _a2a(send_counts.t().contiguous(), [1] * W, [1] * W, group_name)  # [W, n]
+    counts = torch.cat([send_counts.reshape(-1), recv_counts.t().reshape(-1)]).tolist()
+    n = chunks * W
+    R = min(owner.shape[1], W)
+    plans = [_plan_from_counts(goes[a:b], send_counts[c], counts[c * W:(c + 1) * W],
+                               counts[n + c * W:n + (c + 1) * W], R)
+             for c, (a, b) in enumerate(bounds)]
+
+    def issue(c):
+        a, b = bounds[c]
+        return _shuffle(hidden[a:b], topk_weights[a:b], ids[a:b], owner[a:b], starts, plans[c],
+                        group_name, wait=False)
+
+    outs, back = [], None
+    pending = issue(0)
+    for c in range(chunks):
+        nxt = issue(c + 1) if c + 1 < chunks else None
+        recv_hidden, recv_w, recv_ids = _received(pending, ids.shape[1], topk_weights.dtype)
+        out_local = _dispatch_local(recv_hidden, w13_local, w2_local, recv_w, recv_ids, kwargs)
+        back_c = _AllToAll.apply(out_local, None, group_name, plans[c].send_splits,
+                                 plans[c].recv_splits, False)
+        if back is not None:
+            outs.append(_sum_partials(_wait(back[0]), back[1], hidden.dtype))
+        back, pending = (back_c, plans[c]), nxt
+    outs.append(_sum_partials(_wait(back[0]), back[1], hidden.dtype))
+    return torch.cat(outs)
+
+
 def _exchange_plan(owner, epg, group_name, sync_free, capacity) -> _Plan:
     T = owner.shape[0]
     W = epg.world_size
@@ -442,6 +566,13 @@ def _exchange_plan(owner, epg, group_name, sync_free, capacity) -> _Plan:
         C = T if capacity is None else capacity
         send_splits = recv_splits = [C] * W
         keep = goes & (pos < C)
+        if C < T and checks_enabled() and not torch.compiler.is_compiling():
+            needed = int(goes.sum(0).max())   # MOE_OPS_CHECK=1: count first (a host read)
+            if needed > C:
+                raise ValueError(
+                    f"expert_parallel_dispatch: capacity = {C} is below the {needed} rows this "
+                    f"rank sends to one rank (sync_free=True); raise capacity (at most T_rank = "
+                    f"{T} is ever needed)")
         if C < T:
             overflow = goes & ~keep
             torch._assert_async(
@@ -467,7 +598,7 @@ def _exchange_plan(owner, epg, group_name, sync_free, capacity) -> _Plan:
     return _Plan(T, W, R, row, src, dst, n_send, send_splits, recv_splits, overflow)
 
 
-def _shuffle(hidden, topk_weights, ids, owner, starts, plan: _Plan, group_name):
+def _shuffle(hidden, topk_weights, ids, owner, starts, plan: _Plan, group_name, wait=True):
     """Sends every (token, destination) row with its K weights and K ids local to the
     destination (-1: another rank's expert or padding). Returns the received rows, weights and
     local ids."""
@@ -490,9 +621,14 @@ def _shuffle(hidden, topk_weights, ids, owner, starts, plan: _Plan, group_name):
     meta_dtype = torch.float64 if topk_weights.dtype == torch.float64 else torch.float32
     # weights and ids travel together (ids < 2^24 are exact in float32)
     meta = torch.cat([send_w.to(meta_dtype), send_ids.to(meta_dtype)], 1)
-    recv_hidden, recv_meta = _AllToAll.apply(send_hidden, meta, group_name, plan.recv_splits,
-                                             plan.send_splits)
-    recv_w = recv_meta[:, :K].to(topk_weights.dtype)
+    sent = _AllToAll.apply(send_hidden, meta, group_name, plan.recv_splits, plan.send_splits,
+                           wait)
+    return _received(sent, K, topk_weights.dtype) if wait else sent
+
+
+def _received(sent, K, weights_dtype):
+    recv_hidden, recv_meta = (_wait(t) for t in sent)
+    recv_w = recv_meta[:, :K].to(weights_dtype)
     recv_ids = recv_meta[:, K:].detach().round().long()
     return recv_hidden, recv_w, recv_ids
 
@@ -505,7 +641,11 @@ def _combine(out_local, plan: _Plan, group_name, dtype):
     """Sends the partial outputs back and sums each token's (at most min(K, W)) partials in
     float32, in rank order: deterministic (no atomics), one read of every partial row."""
     back = _AllToAll.apply(out_local, None, group_name, plan.send_splits, plan.recv_splits)
-    T, H = plan.T, out_local.shape[1]
+    return _sum_partials(back, plan, dtype)
+
+
+def _sum_partials(back, plan: _Plan, dtype):
+    T, H = plan.T, back.shape[1]
     back = torch.cat([back, back.new_zeros(1, H)])   # row n_send: zeros
     # each token's rows first (sorted: rank order, the zero row last), cut to the most any
     # token has: R = min(K, W)
@@ -531,12 +671,13 @@ def _combine(out_local, plan: _Plan, group_name, dtype):
 class ExpertParallelConfig:
     """How `shard_experts_module` (and `apply_moe_ops(model, expert_parallel_group=...)`) runs
     the sharded experts: the process group (None: the default group) and
-    `expert_parallel_dispatch`'s mode, sync_free and capacity."""
+    `expert_parallel_dispatch`'s mode, sync_free, capacity and pipeline_chunks."""
 
     group: object = None
     mode: str = "all_to_all"
     sync_free: bool = False
     capacity: int | None = None
+    pipeline_chunks: int = 1
 
     def __post_init__(self):
         if self.mode not in _MODES:
@@ -599,7 +740,8 @@ def shard_experts_module(experts: torch.nn.Module, config=None, *, forward_attr:
         setattr(experts, name, local)
     epg = ExpertParallelGroup.setup(experts.gate_up_proj, experts.down_proj, first_expert=first,
                                     num_experts=E, group=pg)
-    opts = {"mode": config.mode, "sync_free": config.sync_free, "capacity": config.capacity}
+    opts = {"mode": config.mode, "sync_free": config.sync_free, "capacity": config.capacity,
+            "pipeline_chunks": config.pipeline_chunks}
     experts.__dict__[_SHARDED] = (epg, opts)
     # functools.partial of a module-level function: picklable, unlike a bound method
     experts.__dict__[forward_attr] = functools.partial(_ep_experts_forward, experts)

@@ -2,13 +2,17 @@
 weights, the routing weight on the input): the reference against a dense float64 oracle,
 gradients (gradcheck, bias gradients, gradient strides), opcheck, errors, and the interpreted
 Triton kernels."""
+import os
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch._dynamo.testing
 import torch.nn.functional as F
 
 import moe_ops
-from conftest import RTOL, rel_err
+from conftest import RTOL, needs_interpreter, rel_err
 from moe_ops.ops.checks import check_dispatch
 from moe_ops.ops.samples import VARIANTS, dispatch_variant_samples, make_variant_inputs
 
@@ -429,3 +433,79 @@ def test_transposed_w13_takes_the_storage_descriptor(interpreter, monkeypatch, n
     _triton_forward_check(args, kw, _configs()["tma"], torch.float32)
     interleaved = kw.get("gate_up_interleaved", False)
     assert ("gate_up_kernel", True, interleaved) in seen, seen
+
+
+@pytest.mark.slow
+@needs_interpreter
+@settings(max_examples=15, deadline=None)
+@given(T=st.integers(0, 40), H=st.integers(1, 24), I=st.integers(1, 16), E=st.integers(1, 8),
+       activation=st.sampled_from(["silu", "gelu", "gelu_tanh", "relu", "swiglu_oai"]),
+       flags=st.lists(st.booleans(), min_size=6, max_size=6),
+       routing=st.sampled_from(["uniform", "negative", "one_expert", "skewed"]),
+       data=st.data())
+def test_triton_variants_hypothesis(T, H, I, E, activation, flags, routing, data):
+    """Random shapes and combinations of the variants: the interpreted forward (heuristic
+    config) and backward against float64 autograd."""
+    from moe_ops.launch.dispatch import dispatch_triton
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+
+    K = data.draw(st.integers(1, E))
+    if routing == "one_expert":
+        K = 1
+    b13, b2, t13, t2, inter, woi = flags
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    args, bias13, bias2 = make_variant_inputs(T, H, I, E, K, routing=routing, generator=g,
+                                              w13_bias=b13, w2_bias=b2, transpose_w13=t13,
+                                              transpose_w2=t2)
+    kw = dict(activation=activation, w13_bias=bias13, w2_bias=bias2, alpha=1.3, limit=0.5,
+              gate_up_interleaved=inter, weights_on_input=woi)
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        out = torch.full((T, H), float("nan"))
+        dispatch_triton(*args, out=out, **kw)
+        go = torch.randn(T, H, generator=g)
+        got = dispatch_backward_triton(go, *args, **kw)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    if T:
+        assert rel_err(out, _oracle64(args, kw)) <= 1e-5
+    ref = _grads_oracle(args, kw, go)
+    got = list(got) + [None] * (6 - len(got))
+    for a, r in zip(got, ref):
+        if r is None:
+            assert a is None
+        elif r.norm() == 0:
+            assert torch.equal(a, torch.zeros_like(a))
+        else:
+            assert rel_err(a, r) <= 5e-5
+
+
+def test_plain_call_launches_no_variant_arguments(interpreter, monkeypatch):
+    """Without variant arguments the kernels get none of theirs (the compiled Mixtral kernels
+    are the ones from before the variants: same constexprs, same code), forward and backward."""
+    import moe_ops.launch.dispatch as ld
+    import moe_ops.launch.dispatch_backward as ldb
+    from conftest import spy_kernel_launches
+
+    launches = []
+    for mod in (ld, ldb):
+        spy_kernel_launches(monkeypatch, mod, lambda k, g, a, kw: launches.append(
+            (k.fn.__name__, set(kw))))
+    args, _ = _inputs("relu", T=7, H=16, I=8, E=4, K=2, requires_grad=True)
+    one, _ = _inputs("relu", T=1, H=16, I=8, E=4, K=2)
+    for cfg, a in ((_configs()["pointer"], args), (_configs()["tma_pair"], args),
+                   (_configs()["direct_fused"], one)):
+        ld.dispatch_triton(*[t.detach() for t in a], config=cfg, save_z=True)
+    moe_ops.dispatch(*args).sum().backward()
+    variant_names = {"ACT", "alpha", "limit", "INTERLEAVED", "HAS_BIAS", "b_ptr",
+                     "WEIGHTS_ON_INPUT", "tw_ptr", "TMA_TRANS", "SCALED", "weights_ptr"}
+    names = {n for n, _ in launches}
+    assert {"gate_up_kernel", "down_kernel", "down_combine_one_token_kernel",
+            "swiglu_grad_kernel", "gather_rows_kernel"} <= names, names
+    assert "act_grad_kernel" not in names and "expert_colsum_kernel" not in names
+    for name, kws in launches:
+        assert not kws & variant_names, (name, kws & variant_names)

@@ -13,7 +13,7 @@ from torch._dynamo.decorators import mark_unbacked
 import moe_ops
 from conftest import rel_err
 from moe_ops.ops.samples import VARIANTS, make_variant_inputs
-from test_dispatch_variants import _grads_oracle, _oracle64
+from test_dispatch_variants import _grads_oracle, _oracle64, dense_oracle
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -24,6 +24,32 @@ VARIANT_IDS = [name for name, _, _ in VARIANTS]
 BF16_FWD = 1.5e-2
 BF16_BWD = 2.5e-2
 GPT_OSS = VARIANTS[0]
+
+
+def _torch_bf16_grads(args, kw, go):
+    """The gradients PyTorch's own bf16 autograd gives through the dense oracle (the error
+    any bf16 implementation carries: with swiglu_oai's clamps binding, a bf16-rounded
+    pre-activation crosses the limit where the exact one does not, and the derivative jumps)."""
+    a = [x.detach().clone().requires_grad_(True) if x.is_floating_point() else x for x in args]
+    kwb = dict(kw)
+    for k in ("w13_bias", "w2_bias"):
+        if kw[k] is not None:
+            kwb[k] = kw[k].detach().clone().requires_grad_(True)
+    leaves = [*a[:4], kwb["w13_bias"], kwb["w2_bias"]]
+    out = dense_oracle(*a, **kwb)
+    present = [x for x in leaves if x is not None]
+    grads = iter(torch.autograd.grad(out, present, go))
+    return [None if x is None else next(grads) for x in leaves]
+
+
+def _grad_bound(name, args, kw, go, ref):
+    """BF16_BWD; where the clamps bind (swiglu_oai variants), at most twice PyTorch's own bf16
+    error per gradient (flash-attention's rule), whichever is larger."""
+    if kw.get("activation") != "swiglu_oai":
+        return [BF16_BWD] * len(ref)
+    own = _torch_bf16_grads(args, kw, go)
+    return [BF16_BWD if o is None or r is None or r.norm() == 0
+            else max(BF16_BWD, 2 * rel_err(o, r)) for o, r in zip(own, ref)]
 
 
 def _inputs(name, T, H=256, I=192, E=8, K=2, routing="negative", seed=0, requires_grad=False,
@@ -48,12 +74,13 @@ def test_forward_backward_bf16(name, T):
     go = torch.randn(out.shape, device=DEVICE, dtype=torch.bfloat16)
     out.backward(go)
     ref = _grads_oracle(args, kw, go)
-    for t, r in zip([*args[:4], kw["w13_bias"], kw["w2_bias"]], ref):
+    bounds = _grad_bound(name, args, kw, go, ref)
+    for t, r, bound in zip([*args[:4], kw["w13_bias"], kw["w2_bias"]], ref, bounds):
         if t is None:
             continue
         assert t.grad is not None and t.grad.stride() == t.stride()
         if r.norm() > 0:
-            assert rel_err(t.grad, r) <= BF16_BWD
+            assert rel_err(t.grad, r) <= bound
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -68,8 +95,9 @@ def test_recompute_and_saved_z_agree(recompute):
     finally:
         set_recompute(old)
     ref = _grads_oracle(args, kw, torch.ones_like(out))
-    for t, r in zip([*args[:4], kw["w13_bias"], kw["w2_bias"]], ref):
-        assert rel_err(t.grad, r) <= BF16_BWD
+    bounds = _grad_bound("gpt_oss", args, kw, torch.ones_like(out), ref)
+    for t, r, bound in zip([*args[:4], kw["w13_bias"], kw["w2_bias"]], ref, bounds):
+        assert rel_err(t.grad, r) <= bound
 
 
 @pytest.mark.parametrize("T", [1, 8, 200])

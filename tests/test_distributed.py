@@ -93,9 +93,9 @@ def test_not_initialised():
     if dist.is_initialized():
         pytest.skip("a process group is initialised in this process")
     w13, w2 = torch.zeros(2, 4, 3), torch.zeros(2, 3, 2)
-    with pytest.raises(RuntimeError, match="not initialised"):
+    with pytest.raises(ValueError, match="group: the torch.distributed process group is not"):
         ExpertParallelGroup.setup(w13, w2, first_expert=0, num_experts=4)
-    with pytest.raises(RuntimeError, match="init_process_group"):
+    with pytest.raises(ValueError, match="init_process_group"):
         expert_parallel_dispatch(torch.zeros(1, 3), w13, w2, torch.ones(1, 1),
                                  torch.zeros(1, 1, dtype=torch.int32), first_expert=0,
                                  num_experts=4)
@@ -174,6 +174,8 @@ def test_rank_dies_mid_layer(tmp_path, how):
     assert "torch" in res["outcome"] or "Error" in res["outcome"], res
     # the error comes from torch.distributed within the group's timeout (plus start-up slack)
     assert res["seconds"] < timeout_s + 15, res
+    if how == "stall":   # gloo: "Timed out waiting 5000ms for send operation to complete"
+        assert res["seconds"] > 0.8 * timeout_s and "Timed out" in res["outcome"], res
 
 
 del multiprocessing
@@ -193,15 +195,15 @@ def test_bench_ep_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(root, "benchmarks", "bench_ep.py"), "--tiny", "--nprocs",
          "1", "--tokens", "0", "3", "--iters", "1", "--warmup", "0", "--modes", "all_to_all",
-         "sync_free", "replicated", "--csv", str(out)],
+         "sync_free", "pipelined", "replicated", "--csv", str(out)],
         check=False, capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     with open(out) as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 2 * 3, rows   # T x modes
+    assert len(rows) == 2 * 4, rows   # T x modes
     for r in rows:
         assert float(r["layer_us"]) > 0, r
-        if r["mode"] != "replicated":
+        if r["mode"] in ("all_to_all", "sync_free"):
             assert all(float(r[k]) > 0 for k in ("a2a_us", "compute_us", "combine_us")), r
             assert r["rows_in"] == ("0" if r["T"] == "0" else "3"), r   # W = 1: every token
     assert "a2a_us" in proc.stdout

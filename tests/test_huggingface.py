@@ -1042,10 +1042,14 @@ def test_custom_gate_with_a_clamp_refused_per_setting():
 @pytest.mark.parametrize("route", ["interface", "apply"])
 def test_gpu_bf16_gpt_oss(route):
     """gpt-oss in bf16 on CUDA (Triton kernels with the transposed, interleaved, biased,
-    swiglu_oai variant): logits and a training step against transformers' eager experts."""
+    swiglu_oai variant): logits and a training step against transformers' eager experts. Each
+    parameter's gradient error against a float32 eager model is bounded by twice eager bf16's own
+    error plus 1e-2 (a few-element gradient such as an attention sink's cancels to rounding
+    noise in bf16: two bf16 runs differed by 5.3% there on the H200)."""
     ref_model = _randomise_biases(_gpt_oss()).to(device="cuda", dtype=torch.bfloat16).train()
     ref_model.set_experts_implementation("eager")
     model = copy.deepcopy(ref_model)
+    f32_model = copy.deepcopy(ref_model).float()
     if route == "interface":
         model.set_experts_implementation("moe_ops")
     else:
@@ -1056,11 +1060,14 @@ def test_gpu_bf16_gpt_oss(route):
     assert rel_err(out.logits.float(), ref.logits.float()) < BF16_TOL
     out.loss.backward()
     ref.loss.backward()
-    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+    f32_model(ids, labels=ids).loss.backward()
+    for (n, p), (_, q), (_, r) in zip(model.named_parameters(), ref_model.named_parameters(),
+                                      f32_model.named_parameters()):
         if q.grad is None:
             continue
         assert p.grad is not None, n
-        assert rel_err(p.grad.float(), q.grad.float()) < 5e-2, n
+        eager_err = rel_err(q.grad.float(), r.grad.float())
+        assert rel_err(p.grad.float(), r.grad.float()) <= 2 * eager_err + 1e-2, n
 
 
 def test_compile_fullgraph_class_route_and_gpt_oss():

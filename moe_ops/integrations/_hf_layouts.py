@@ -199,7 +199,12 @@ def experts_layout(experts: torch.nn.Module, where: str | None = None) -> Expert
     transposed = bool(getattr(experts, "is_transposed", False)
                       or getattr(experts, "experts_are_transposed", False))
     activation, interleaved, alpha, limit = "silu", False, 1.702, 7.0
-    if not problems:
+    gate = getattr(experts, "_moe_ops_gate", None)
+    if not problems and gate is not None:
+        # the gate's arithmetic, found once (its probe imports transformers' modules, which a
+        # torch.compile trace of the forward cannot do)
+        activation, interleaved, alpha, limit = gate
+    elif not problems:
         gate_fn = getattr(type(experts), "_apply_gate", None)
         two_i = w13.shape[2] if transposed else w13.shape[1]
         if gate_fn is not None and gate_fn is not _default_apply_gate():
@@ -219,6 +224,8 @@ def experts_layout(experts: torch.nn.Module, where: str | None = None) -> Expert
                                 "(erf or tanh), ReLU, or gpt-oss's clamped SwiGLU)")
             else:
                 activation = name
+        if not problems:
+            experts._moe_ops_gate = (activation, interleaved, alpha, limit)
     b13 = getattr(experts, "gate_up_proj_bias", None)
     b2 = getattr(experts, "down_proj_bias", None)
     if getattr(experts, "has_bias", False) and not (isinstance(b13, torch.Tensor)

@@ -6,6 +6,7 @@ import math
 import torch
 
 from moe_ops._runtime import checks_enabled
+from moe_ops.ops.quant_checks import check_quantized_dispatch
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -161,6 +162,13 @@ def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation="silu", w
             raise TypeError(f"{name} given with {str(w.dtype).replace('torch.', '')} weights: "
                             "scales and block_shape apply to quantized weights only "
                             "(float8_e4m3fn, or uint8 holding MXFP4)")
+    if w13.dtype in QUANTIZED_DTYPES or w2.dtype in QUANTIZED_DTYPES:
+        check_quantized_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
+                                 w2_bias, gate_up_interleaved, weights_on_input, w13_scale,
+                                 w2_scale, block_shape, quantize_activations)
+        check_weight_layout("w13", w13)
+        check_weight_layout("w2", w2)
+        return
     check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     dev = hidden.device.type
     if not _dtypes_ok(hidden.dtype, dev):

@@ -14,6 +14,7 @@ from moe_ops.ops._registry import LIB, define, reject_forward_ad, reject_functor
 from moe_ops.ops.checks import (check_dispatch, check_dispatch_backward, check_ids_in_range,
                                 check_tensor_args, check_variant_types,
                                 check_weight_layout)
+from moe_ops.ops.quant_checks import is_quantized, reject_quantized_grad, reject_scale_grad
 from moe_ops.reference.dispatch import (dispatch_backward_reference, dispatch_reference,
                                         empty_grad)
 
@@ -82,6 +83,8 @@ def _forward(hidden, w13, w2, topk_weights, topk_ids, v, save_z):
     """moe.dispatch (save_z=False: out) and moe.dispatch_train (save_z=True: (out, z))."""
     check_dispatch(hidden, w13, w2, topk_weights, topk_ids, **v)
     check_ids_in_range(topk_ids, w13.shape[0])
+    if is_quantized(w13, w2):
+        return _forward_quantized(hidden, w13, w2, topk_weights, topk_ids, v, save_z)
     kw = _compute_kw(v)
     if use_triton(hidden) and hidden.dtype != torch.float64:
         from moe_ops.launch.dispatch import dispatch_triton
@@ -96,10 +99,30 @@ def _forward(hidden, w13, w2, topk_weights, topk_ids, v, save_z):
     return dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, return_z=save_z, **kw)
 
 
+def _forward_quantized(hidden, w13, w2, topk_weights, topk_ids, v, save_z):
+    """FP8 block-scaled or MXFP4 expert weights (issue 42): the quantized kernels on CUDA and
+    in the interpreter, the W8A8 / dequantizing reference on the CPU otherwise."""
+    if save_z:
+        raise NotImplementedError("moe.dispatch_train (the training forward) does not take "
+                                  "quantized expert weights: they are frozen, and gradients "
+                                  "through them are not implemented")
+    if use_triton(hidden):
+        from moe_ops.launch.quant import dispatch_quantized
+
+        with on_device(hidden):
+            return dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, **v, check=False)
+    from moe_ops.reference.quant import quantized_dispatch_reference
+
+    return quantized_dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, **v,
+                                        compute_dtype=torch.float32).to(hidden.dtype)
+
+
 def _backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, v):
     """moe.dispatch_backward (z=None: recomputed) and moe.dispatch_backward_saved: the six
     gradients (the bias ones empty where the forward got no bias)."""
     check_dispatch_backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, **v)
+    if is_quantized(w13, w2):
+        reject_quantized_grad()
     kw = _compute_kw(v)
     if use_triton(hidden) and hidden.dtype != torch.float64:
         from moe_ops.launch.dispatch_backward import dispatch_backward_triton
@@ -285,9 +308,16 @@ def _dispatch_autograd(keyset, hidden, w13, w2, topk_weights, topk_ids, *args, *
     b13, b2 = v["w13_bias"], v["w2_bias"]
     grad_inputs = [t for t in (hidden, w13, w2, topk_weights, b13, b2) if t is not None]
     reject_forward_ad("moe.dispatch", *grad_inputs)
+    if torch.is_grad_enabled() and is_quantized(w13, w2):
+        reject_scale_grad(v["w13_scale"], v["w2_scale"])
     if torch.is_grad_enabled() and any_requires_grad(*grad_inputs):
         reject_functorch("moe.dispatch")
         rest = {k: x for k, x in v.items() if k not in ("w13_bias", "w2_bias")}
+        if is_quantized(w13, w2):   # frozen experts: gradients for the other inputs only
+            from moe_ops.ops.quant_autograd import QuantizedDispatchFunction
+
+            return QuantizedDispatchFunction.apply(hidden, w13, w2, topk_weights, topk_ids,
+                                                   b13, b2, below, rest, VARIANT_NAMES)
         return _DispatchFunction.apply(hidden, w13, w2, topk_weights, topk_ids, b13, b2, below,
                                        rest)
     with below_autograd():

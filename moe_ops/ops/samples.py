@@ -133,3 +133,39 @@ def dispatch_variant_samples(device="cpu", dtype=torch.float32, requires_grad=Fa
                                         requires_grad=requires_grad, **VARIANTS[0][1])
     out.append((args, dict(VARIANTS[0][2], w13_bias=b13, w2_bias=b2, weights_on_input=True)))
     return out
+
+
+def quant_dispatch_samples(device="cpu", dtype=torch.float32):
+    """(args, kwargs) of moe.dispatch with quantized expert weights (issue 42): FP8 block-scaled
+    (W8A8 and W8A16; T = 0, T = 1, partial scale blocks, ids < 0, gpt-oss-style variants) and
+    MXFP4 (gpt-oss's biases, swiglu_oai and interleaved rows)."""
+    from moe_ops.reference.quant import quantize_fp8_block
+
+    g = torch.Generator(device=device).manual_seed(0)
+    out = []
+    for T, H, I, E, K, routing, bs, kw in [
+            (0, 32, 16, 4, 2, "uniform", (16, 16), {}),
+            (1, 40, 24, 4, 2, "uniform", (16, 16), {}),
+            (9, 48, 40, 6, 3, "negative", (32, 16), {"quantize_activations": False}),
+            (7, 32, 16, 4, 2, "uniform", (16, 16),
+             {"activation": "swiglu_oai", "gate_up_interleaved": True, "alpha": 1.5,
+              "limit": 5.0})]:
+        h, w13, w2, tw, ids = make_dispatch_inputs(T, H, I, E, K, dtype=dtype, device=device,
+                                                   routing=routing, generator=g)
+        q13, s13 = quantize_fp8_block(w13, bs)
+        q2, s2 = quantize_fp8_block(w2, bs)
+        out.append(((h, q13, q2, tw, ids), dict(kw, w13_scale=s13, w2_scale=s2,
+                                                block_shape=list(bs))))
+    T, H, I, E, K = 6, 64, 32, 4, 2
+    h, _, _, tw, ids = make_dispatch_inputs(T, H, 2, E, K, dtype=dtype, device=device,
+                                            routing="negative", generator=g)
+    kw = dict(device=device, generator=g, dtype=torch.uint8)
+    b13 = torch.randint(0, 256, (E, 2 * I, H // 2), **kw)
+    b2 = torch.randint(0, 256, (E, H, I // 2), **kw)
+    s13 = torch.randint(119, 124, (E, 2 * I, H // 32), **kw)
+    s2 = torch.randint(119, 124, (E, H, I // 32), **kw)
+    out.append(((h, b13, b2, tw, ids), dict(
+        w13_scale=s13, w2_scale=s2, activation="swiglu_oai", gate_up_interleaved=True,
+        w13_bias=torch.randn(E, 2 * I, generator=g, device=device) * 0.1,
+        w2_bias=torch.randn(E, H, generator=g, device=device) * 0.1)))
+    return out

@@ -57,6 +57,10 @@ class Shape:
     scale: float = 1.0
     zipf: float = 0.0          # > 0: logits drawn so expert load falls off like Zipf(zipf)
     bias: bool = False         # DeepSeek-V3 e_score_correction_bias
+    # gpt-oss experts: biases, swiglu_oai, interleaved gate/up rows, weights as transposed views
+    # of the checkpoint's [E, H, 2I] / [E, I, H] storage (moe_ops only: the baselines compute
+    # Mixtral-style experts)
+    gpt_oss_experts: bool = False
 
 
 SHAPES = {
@@ -66,10 +70,11 @@ SHAPES = {
     "deepseek_v3_routed": Shape("deepseek_v3_routed", 7168, 2048, 256, 8, scoring="sigmoid",
                                 num_groups=8, topk_groups=4, scale=2.5, bias=True),
     "olmoe": Shape("olmoe", 2048, 1024, 64, 8, renormalize=False),
+    "gpt_oss_20b": Shape("gpt_oss_20b", 2880, 2880, 32, 4, gpt_oss_experts=True),
 }
 # Same experts, top-k and routing; H and I cut down (odd I on purpose) so a CPU runs them in seconds.
 TINY_HI = {"mixtral_8x7b": (64, 56), "qwen3_30b_a3b": (32, 24), "qwen3_30b_a3b_zipf": (32, 24),
-           "deepseek_v3_routed": (64, 40), "olmoe": (32, 24)}
+           "deepseek_v3_routed": (64, 40), "olmoe": (32, 24), "gpt_oss_20b": (32, 24)}
 TOKENS = [1, 8, 32, 128, 512, 2048, 8192]
 TINY_TOKENS = [1, 8, 33]
 
@@ -80,8 +85,8 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 5e-3}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def moe_ops_dispatch(hidden, w13, w2, topk_weights, topk_ids):
-    return torch.ops.moe.dispatch(hidden, w13, w2, topk_weights, topk_ids)
+def moe_ops_dispatch(hidden, w13, w2, topk_weights, topk_ids, **variant):
+    return torch.ops.moe.dispatch(hidden, w13, w2, topk_weights, topk_ids, **variant)
 
 
 def implementations() -> dict[str, bl.Baseline]:
@@ -263,12 +268,27 @@ class Weights:
     gate: torch.Tensor                 # [H, E] float32 router
     bias: Optional[torch.Tensor]       # [E] float32
     zipf_logp: Optional[torch.Tensor]  # [E] log-probabilities of the Zipf load
+    w13_bias: Optional[torch.Tensor] = None   # gpt-oss experts: [E, 2I]
+    w2_bias: Optional[torch.Tensor] = None    # gpt-oss experts: [E, H]
+
+    def expert_kwargs(self, s: Shape) -> dict:
+        """moe.dispatch's variant arguments for the shape's experts ({} for Mixtral-style)."""
+        if not s.gpt_oss_experts:
+            return {}
+        return dict(activation="swiglu_oai", gate_up_interleaved=True, w13_bias=self.w13_bias,
+                    w2_bias=self.w2_bias)
 
 
 def make_weights(s: Shape, device, dtype, seed: int) -> Weights:
     g = torch.Generator(device=device).manual_seed(seed)
-    w13 = torch.randn(s.E, 2 * s.I, s.H, generator=g, device=device, dtype=dtype).mul_(0.02)
-    w2 = torch.randn(s.E, s.H, s.I, generator=g, device=device, dtype=dtype).mul_(0.02)
+    if s.gpt_oss_experts:   # the checkpoint's storage, passed as transposed views (no copy)
+        w13 = torch.randn(s.E, s.H, 2 * s.I, generator=g, device=device,
+                          dtype=dtype).mul_(0.02).transpose(1, 2)
+        w2 = torch.randn(s.E, s.I, s.H, generator=g, device=device,
+                         dtype=dtype).mul_(0.02).transpose(1, 2)
+    else:
+        w13 = torch.randn(s.E, 2 * s.I, s.H, generator=g, device=device, dtype=dtype).mul_(0.02)
+        w2 = torch.randn(s.E, s.H, s.I, generator=g, device=device, dtype=dtype).mul_(0.02)
     # std 1/sqrt(H): logits of standard-normal tokens come out ~N(0, 1).
     gate = torch.randn(s.H, s.E, generator=g, device=device).div_(math.sqrt(s.H))
     # A real e_score_correction_bias balances the load; a random one of sigmoid-score size would
@@ -280,7 +300,12 @@ def make_weights(s: Shape, device, dtype, seed: int) -> Weights:
         ranks = torch.randperm(s.E, generator=g, device=device).double() + 1  # hot experts scattered
         p = ranks.pow(-s.zipf)
         zipf_logp = (p / p.sum()).log().float()
-    return Weights(w13, w2, gate, bias, zipf_logp)
+    biases = {}
+    if s.gpt_oss_experts:
+        biases = dict(
+            w13_bias=torch.randn(s.E, 2 * s.I, generator=g, device=device).mul_(0.02).to(dtype),
+            w2_bias=torch.randn(s.E, s.H, generator=g, device=device).mul_(0.02).to(dtype))
+    return Weights(w13, w2, gate, bias, zipf_logp, **biases)
 
 
 def make_tokens(s: Shape, wt: Weights, T: int, device, dtype, seed: int):
@@ -461,16 +486,24 @@ def run_cell(s: Shape, wt: Weights, T: int, impls: dict, unavailable: dict, over
     ref = None
     checked = flops <= opts.check_max_gflop * 1e9
     if checked:
-        ref = dispatch_reference(hidden.double(), wt.w13, wt.w2, topk_weights, topk_ids)
+        ref = dispatch_reference(hidden.double(), wt.w13, wt.w2, topk_weights, topk_ids,
+                                 **wt.expert_kwargs(s))
 
     def args_for(b: bl.Baseline):
         return (hidden, wt.w13, wt.w2, topk_weights, ids64 if b.int64_ids else topk_ids)
 
     results = {}
+    variant = wt.expert_kwargs(s)
     for name, b in impls.items():
         if name in unavailable:
             results[name] = Result(s.name, T, name, status="n/a", note=unavailable[name])
             continue
+        if variant and name != "moe_ops":
+            results[name] = Result(s.name, T, name, status="n/a",
+                                   note="computes Mixtral-style experts only")
+            continue
+        if variant:
+            b = dataclasses.replace(b, fn=lambda *a, _fn=b.fn: _fn(*a, **variant))
         skip = over_budget.get(name)
         if skip is None and b.gathers_weights:
             gathered = T * s.K * 3 * s.H * s.I * esize

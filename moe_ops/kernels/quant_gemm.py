@@ -1,0 +1,352 @@
+"""Expert GEMMs over the aligned rows with quantized weights (issue 42).
+
+WFMT 1, FP8 block-scaled: w [E, N, K] float8_e4m3fn with a float32 scale per [bn, bk] block
+(s [E, ceil(N/bn), ceil(K/bk)]); BLOCK_K == bk, so every K step reads one scale per weight row.
+  QUANT_A (W8A8): the A tile is quantized in registers per row over its bk columns
+  (q = e4m3(a * 448 / amax), scale amax / 448), the product is an fp8 tl.dot in float32 and
+  each K step's partial product is scaled and added in float32 (promotion per K block, as
+  DeepGEMM does: Hopper's FP8 MMA accumulates with fewer bits than float32). The down GEMM's
+  A (the activation) is quantized the same way in the gate+up kernel's epilogue, from float32,
+  once (its tile width is bk): the down kernel reads e4m3 act and its scales [rows, I/bk].
+  Without QUANT_A (W8A16): the fp8 tile is converted exactly to A's dtype, the product is a
+  16-bit dot, scaled by the weight scale per K step.
+WFMT 2, MXFP4: w [E, N, K//2] uint8, two e2m1 values per byte (low nibble first), uint8 e8m0
+scale per 32 values (s [E, N, K//32]); the tile is decoded in registers to A's dtype (exact for
+bf16) and multiplied with a 16-bit dot accumulating in float32.
+WFMT 3, MXFP4 through tl.dot_scaled (bf16/fp16 A): the packed bytes and scales go to Triton's
+scaled dot as they are (on Hopper it upcasts to bf16 MMAs itself, after the pipelined copies of
+the packed bytes); launch.quant.has_dot_scaled() decides whether this Triton has it.
+
+quant_gate_up_kernel: act[row] = activation(gate, up) of W13_e x (+ bias), rows gathered
+through the slot table, the gate/up rows split (first/second half, or even/odd rows when
+INTERLEAVED). quant_down_kernel: y[slot] = (w *) (W2_e act[row] + bias), per slot; the
+deterministic combine (expert_gemm.combine_kernel) sums the slots.
+
+EMULATE (Triton's interpreter, CPU): its fp8 casts round wrongly (measured: ~15% of random
+float32 values differ from torch's .to(float8_e4m3fn), mantissa carries lost, no saturation)
+and its fp8 and bf16 dots are unreliable, so there the fp8 weights come as their uint8 bits
+and are decoded by arithmetic, activations are rounded to e4m3 by integer arithmetic and every
+dot runs in float32 on the same values."""
+import triton
+import triton.language as tl
+
+from moe_ops.kernels.expert_gemm import grouped_tile, row_block
+
+FP8_MAX = tl.constexpr(448.0)
+ACT_AMAX_FLOOR = tl.constexpr(1e-30)   # moe_ops.reference.quant.ACT_AMAX_FLOOR
+
+# activation codes (moe_ops.launch.quant.ACTIVATIONS)
+SILU = tl.constexpr(0)
+GELU = tl.constexpr(1)
+GELU_TANH = tl.constexpr(2)
+RELU = tl.constexpr(3)
+SWIGLU_OAI = tl.constexpr(4)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def activate(g, u, alpha, limit, ACTIVATION: tl.constexpr):
+    """a from the float32 gate and up pre-activations (moe.dispatch's activations)."""
+    if ACTIVATION == SILU:
+        a = g * _sigmoid(g) * u
+    elif ACTIVATION == GELU:
+        a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * u
+    elif ACTIVATION == GELU_TANH:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = 0.5 * g * (2.0 * _sigmoid(2.0 * z)) * u      # 1 + tanh(z) = 2 sigmoid(2z)
+    elif ACTIVATION == RELU:
+        a = tl.maximum(g, 0.0) * u
+    else:   # SWIGLU_OAI (gpt-oss): clamped gate and up
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        a = (u + 1.0) * g * _sigmoid(alpha * g)
+    return a
+
+
+@triton.jit
+def e4m3_round(x):
+    """float32 -> float32 holding the nearest float8_e4m3fn value (ties to even, saturating at
+    +-448 like cvt.rn.satfinite), by integer arithmetic (the interpreter's fp8 cast is wrong)."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = bits & -2147483648
+    ax = tl.abs(x)
+    mag = ax.to(tl.int32, bitcast=True)
+    # normal range: keep 3 mantissa bits, half to even; the carry may reach the exponent
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    # subnormal range (|x| < 2^-6): multiples of 2^-9, rounded by the 1.5 * 2^23 trick
+    sub = ((ax * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    # (NaN stays NaN, as with the GPU cast: tl.minimum would return 448 for it by default)
+    r = tl.minimum(tl.where(ax < 0.015625, sub, normal), FP8_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_decode(bits):
+    """float8_e4m3fn bits (uint8) -> float32 (the interpreter's fp8 loads read 0x7F as 480)."""
+    b = bits.to(tl.int32)
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+    mag = tl.where((e == 15) & ((b & 7) == 7), float("nan"), mag)
+    return tl.where((b & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def e2m1_decode(nib):
+    """e2m1 codes (int32 0..15: sign bit 3, exponent bits 2-1, mantissa bit 0) -> float32,
+    built as float32 bits: 2^(e-1) * (1 + m/2) for e > 0, m/2 for e == 0."""
+    e = (nib >> 1) & 3
+    m = nib & 1
+    mag = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+    return (mag | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_decode(s):
+    """e8m0 scale bytes -> 2^(s - 127) as float32 (exponent bits; s == 0 is the subnormal
+    2^-127, s == 255 gives inf as transformers' ldexp does)."""
+    s32 = s.to(tl.int32)
+    return tl.where(s32 == 0, 1 << 22, s32 << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quantize_rows(a, EMULATE: tl.constexpr):
+    """(q, scale) of a float32 [M, BLOCK_K] tile quantized per row (one bk group): amax over
+    the row (at least ACT_AMAX_FLOOR), q = e4m3(a * (448 / amax)) (fp8, or its float32 value
+    under EMULATE), scale = amax / 448. Both divisions correctly rounded (div_rn), as the
+    reference computes them."""
+    amax = tl.maximum(tl.max(tl.abs(a), axis=1), ACT_AMAX_FLOOR)
+    inv = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+    x = a * inv[:, None]
+    if EMULATE:
+        q = e4m3_round(x)
+    else:
+        q = x.to(tl.float8e4nv)
+    return q, scale
+
+
+@triton.jit
+def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl.constexpr,
+                WFMT: tl.constexpr, QUANT_A: tl.constexpr, EMULATE: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """(b [BLOCK_K, BLOCK_N], per-column scale [BLOCK_N] float32) of reduction columns
+    k0..k0+BLOCK_K of the weight rows starting at the pointers `w_rows` (masked by wmask), whose
+    scales start at `s_rows` (FP8: the row's [bn, bk] block row; MXFP4: the row's scales). FP8:
+    b is the fp8 tile (QUANT_A) or its exact conversion to OP_DTYPE, the scale the block's;
+    MXFP4: b the decoded tile in OP_DTYPE (scales applied), the column scale 1."""
+    if WFMT == 1:
+        offs_k = tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K - k0
+        b = tl.load(w_rows[None, :] + (k0 + offs_k)[:, None] * stride_wk,
+                    mask=k_mask[:, None] & wmask[None, :], other=0.0)
+        scale = tl.load(s_rows + (k0 // BLOCK_K) * stride_sk, mask=wmask, other=0.0)
+        if EMULATE:
+            b = e4m3_decode(b)
+        elif not QUANT_A:
+            b = b.to(OP_DTYPE)
+    elif WFMT == 2:
+        # [BN, BLOCK_K // 2] packed bytes -> [BN, BLOCK_K] values, low nibble first
+        BN: tl.constexpr = w_rows.shape[0]
+        offs_p = tl.arange(0, BLOCK_K // 2)
+        p_mask = offs_p < (K - k0) // 2
+        p = tl.load(w_rows[:, None] + (k0 // 2 + offs_p)[None, :] * stride_wk,
+                    mask=wmask[:, None] & p_mask[None, :], other=0).to(tl.int32)
+        v = tl.reshape(tl.join(e2m1_decode(p & 15), e2m1_decode(p >> 4)), (BN, BLOCK_K))
+        offs_g = tl.arange(0, BLOCK_K // 32)
+        g_mask = offs_g < (K - k0) // 32
+        sc = tl.load(s_rows[:, None] + (k0 // 32 + offs_g)[None, :] * stride_sk,
+                     mask=wmask[:, None] & g_mask[None, :], other=0)
+        v = tl.reshape(tl.reshape(v, (BN, BLOCK_K // 32, 32)) * e8m0_decode(sc)[:, :, None],
+                       (BN, BLOCK_K))
+        b = tl.trans(v.to(OP_DTYPE))
+        scale = tl.full((BN,), 1.0, tl.float32)
+    else:
+        # WFMT 3 (MXFP4 through tl.dot_scaled): the packed tile as it is, [BLOCK_K // 2, BN]
+        # (k pairs down, low nibble = even k), and its e8m0 bytes [BN, BLOCK_K // 32]
+        offs_p = tl.arange(0, BLOCK_K // 2)
+        p_mask = offs_p < (K - k0) // 2
+        b = tl.load(w_rows[None, :] + (k0 // 2 + offs_p)[:, None] * stride_wk,
+                    mask=p_mask[:, None] & wmask[None, :], other=0)
+        offs_g = tl.arange(0, BLOCK_K // 32)
+        g_mask = offs_g < (K - k0) // 32
+        scale = tl.load(s_rows[:, None] + (k0 // 32 + offs_g)[None, :] * stride_sk,
+                        mask=wmask[:, None] & g_mask[None, :], other=0)
+    return b, scale
+
+
+@triton.jit
+def mma_step(acc, a, a_scale, b, b_scale, WFMT: tl.constexpr, QUANT_A: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
+    """acc + this K step's product (see the module docstring for each format). (One return:
+    code after a return under a compile-time `if` is still compiled.)"""
+    if WFMT == 1:
+        part = tl.dot(a, b, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+        if QUANT_A:
+            acc = acc + part * a_scale[:, None] * b_scale[None, :]
+        else:
+            acc = acc + part * b_scale[None, :]
+    elif WFMT == 2:
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+    else:   # MXFP4 through tl.dot_scaled (b packed e2m1, b_scale its e8m0 bytes)
+        if a.dtype == tl.bfloat16:
+            acc = tl.dot_scaled(a, None, "bf16", b, b_scale, "e2m1", acc)
+        else:
+            acc = tl.dot_scaled(a, None, "fp16", b, b_scale, "e2m1", acc)
+    return acc
+
+
+@triton.jit
+def load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A: tl.constexpr, SCALE_ROWS: tl.constexpr,
+           OP_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """The A operand of a K step: the rows (times their routing weight when SCALE_ROWS, in
+    float32), quantized per row (QUANT_A: the fp8 tile and its row scales) or in OP_DTYPE
+    (scales: ones, unused)."""
+    a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+    if SCALE_ROWS:
+        a = a.to(tl.float32) * tw[:, None]
+    if QUANT_A:
+        q, a_scale = quantize_rows(a.to(tl.float32), EMULATE)
+    else:
+        q = a.to(OP_DTYPE)
+        a_scale = tl.full((q.shape[0],), 1.0, tl.float32)
+    return q, a_scale
+
+
+@triton.jit
+def _rows(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr, stride_ik, n_experts,
+          BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """(expert, rows, slots, row_valid) of row block pid_m (expert_gemm.row_block: the
+    alignment's tables, or DIRECT at T == 1: block k is slot k, no alignment launch), offsets
+    in int64."""
+    e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
+                                          stride_ik, n_experts, BLOCK_M, DIRECT, BLOCK_M)
+    return e, rows.to(tl.int64), slots.to(tl.int64), row_valid
+
+
+@triton.jit
+def quant_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, tw_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+    n_slots, H, I, top_k, n_row_blocks, scale_bn, alpha, limit,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_be, stride_bn, stride_tw_t, stride_tw_k, stride_am, act_scale_ptr, stride_as,
+    ids_ptr, stride_ik, n_experts,
+    WFMT: tl.constexpr, QUANT_A: tl.constexpr, ACTIVATION: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTS_ON_INPUT: tl.constexpr,
+    EMULATE: tl.constexpr, OP_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+    e, rows, slots, row_valid = _rows(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
+                                      stride_ik, n_experts, BLOCK_M, DIRECT)
+    tok = tl.where(row_valid, slots // top_k, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_n64 = offs_n.to(tl.int64)
+    if INTERLEAVED:
+        g_rows = 2 * offs_n64
+        u_rows = 2 * offs_n64 + 1
+    else:
+        g_rows = offs_n64
+        u_rows = offs_n64 + I
+    tw = tl.zeros((BLOCK_M,), tl.float32)
+    if WEIGHTS_ON_INPUT:
+        tw = tl.load(tw_ptr + (slots // top_k) * stride_tw_t + (slots % top_k) * stride_tw_k,
+                     mask=row_valid, other=0.0).to(tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    w_e = w_ptr + e * stride_we
+    s_e = s_ptr + e * stride_se
+    g_w, u_w = w_e + g_rows * stride_wn, w_e + u_rows * stride_wn
+    if WFMT == 1:   # the scale row of each weight row: its [bn, bk] block's
+        g_s, u_s = s_e + (g_rows // scale_bn) * stride_sn, s_e + (u_rows // scale_bn) * stride_sn
+    else:
+        g_s, u_s = s_e + g_rows * stride_sn, s_e + u_rows * stride_sn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = offs_k < H - k0
+        a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A, WEIGHTS_ON_INPUT, OP_DTYPE,
+                            EMULATE)
+        bg, sg = weight_tile(g_w, g_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
+                             QUANT_A, EMULATE, BLOCK_K)
+        acc_g = mma_step(acc_g, a, a_scale, bg, sg, WFMT, QUANT_A, DOT_PRECISION)
+        bu, su = weight_tile(u_w, u_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
+                             QUANT_A, EMULATE, BLOCK_K)
+        acc_u = mma_step(acc_u, a, a_scale, bu, su, WFMT, QUANT_A, DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_xh
+    if HAS_BIAS:
+        b_base = bias_ptr + e * stride_be
+        acc_g += tl.load(b_base + g_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_base + u_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    act = activate(acc_g, acc_u, alpha, limit, ACTIVATION)
+    if QUANT_A:
+        # the down GEMM's A, quantized here once (BLOCK_N == bk: this tile is one bk group of
+        # each row), from the float32 values: e4m3 act (its float32 value under EMULATE) and
+        # one scale per row and group
+        act, act_scale = quantize_rows(tl.where(n_mask[None, :], act, 0.0), EMULATE)
+        tl.store(act_scale_ptr + rows * stride_as + pid_n, act_scale, mask=row_valid)
+    tl.store(act_ptr + rows[:, None] * stride_am + offs_n[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def quant_down_kernel(
+    act_ptr, w_ptr, s_ptr, bias_ptr, tw_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+    n_slots, H, I, top_k, n_row_blocks, scale_bn,
+    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_be, stride_bn, stride_tw_t, stride_tw_k, stride_ym, act_scale_ptr, stride_as,
+    ids_ptr, stride_ik, n_experts,
+    WFMT: tl.constexpr, QUANT_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr, EMULATE: tl.constexpr, OP_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DIRECT: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, H, BLOCK_N, GROUP_M)
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+    e, rows, slots, row_valid = _rows(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
+                                      stride_ik, n_experts, BLOCK_M, DIRECT)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_n64 = offs_n.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    tw = tl.zeros((BLOCK_M,), tl.float32)
+    w_n = w_ptr + e * stride_we + offs_n64 * stride_wn
+    if WFMT == 1:
+        s_n = s_ptr + e * stride_se + (offs_n64 // scale_bn) * stride_sn
+    else:
+        s_n = s_ptr + e * stride_se + offs_n64 * stride_sn
+    for k0 in range(0, I, BLOCK_K):
+        k_mask = offs_k < I - k0
+        if QUANT_A:   # act was quantized by the gate+up kernel: e4m3 tile and row scales
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+            a_scale = tl.load(act_scale_ptr + rows * stride_as + k0 // BLOCK_K, mask=row_valid,
+                              other=0.0)
+        else:
+            a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, False, False, OP_DTYPE, EMULATE)
+        b, sb = weight_tile(w_n, s_n, n_mask, k0, I, stride_wk, stride_sk, OP_DTYPE, WFMT,
+                            QUANT_A, EMULATE, BLOCK_K)
+        acc = mma_step(acc, a, a_scale, b, sb, WFMT, QUANT_A, DOT_PRECISION)
+        a_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * stride_be + offs_n64 * stride_bn, mask=n_mask,
+                       other=0.0).to(tl.float32)[None, :]
+    if HAS_WEIGHTS:
+        tw = tl.load(tw_ptr + (slots // top_k) * stride_tw_t + (slots % top_k) * stride_tw_k,
+                     mask=row_valid, other=0.0).to(tl.float32)
+        acc = acc * tw[:, None]
+    tl.store(y_ptr + slots[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])

@@ -1,0 +1,170 @@
+"""Host side of moe.dispatch with quantized expert weights (FP8 block-scaled, MXFP4; issue 42):
+checks, config, buffers sized from shapes, launches. The flow is the bf16 op's: align the slots
+by expert (align_triton), gate+up GEMM with the activation fused (act [max_rows, I] in hidden's
+dtype; W8A8: e4m3 and its scales), down GEMM with bias and routing weight fused (y per slot), deterministic combine. No
+dequantized weight is ever materialised: tiles are decoded in registers. Nothing syncs with the
+host."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton.language as tl
+
+from moe_ops._runtime import cdiv, next_pow2
+from moe_ops.launch._common import kernel_for
+from moe_ops.kernels.quant_gemm import quant_down_kernel, quant_gate_up_kernel
+from moe_ops.launch.alignment import align_triton
+from moe_ops.launch.dispatch import DirectRows, combine_triton
+from moe_ops.ops.quant_checks import ACTIVATIONS, check_quantized_dispatch
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantDispatchConfig:
+    """Tiles of the quantized expert GEMMs. block_k: the K step (FP8: equal to the block
+    shape's bk, one weight scale per step; MXFP4: a multiple of 32). block_n1 counts columns of
+    I (the gate+up kernel computes a gate and an up tile of that width)."""
+    block_m: int
+    block_n1: int
+    block_n2: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    # MXFP4 through tl.dot_scaled instead of the kernels' own decode (bf16/fp16 activations,
+    # where has_dot_scaled()); off by default until measured on the H200
+    mxfp4_dot_scaled: bool = False
+
+
+def has_dot_scaled() -> bool:
+    """Whether this Triton has tl.dot_scaled with an e2m1 right operand and a bf16/fp16 left one
+    (3.6 and 3.9 do: both compile it for sm_90 to bf16 wgmma). The one place that decides."""
+    return hasattr(tl, "dot_scaled")
+
+
+def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: int,
+                          device_type: str, quant_a: bool = False) -> QuantDispatchConfig:
+    """Heuristic tiles (not tuned yet). Row blocks from the mean rows per expert (decode: 16,
+    so few padding rows are multiplied); K step bk for FP8, 128 values (64 packed bytes) for
+    MXFP4. The interpreter gets the smallest tiles tl.dot takes (runtime grows with tile area)."""
+    if device_type != "cuda":
+        return QuantDispatchConfig(block_m=16, block_n1=bk if quant_a else 16, block_n2=32,
+                                   block_k=bk if fmt == "fp8" else 32 if H <= 32 or I <= 32 else 64,
+                                   group_m=4, num_warps=1, num_stages=1)
+    rows = T * K / max(E, 1)
+    block_m = 16 if rows <= 16 else 32 if rows <= 48 else 64
+    block_k = bk if fmt == "fp8" else 128
+    # W8A8: the gate+up tile is one bk group of the activation it quantizes (128 columns:
+    # two [block_m, 128] float32 accumulators)
+    return QuantDispatchConfig(block_m=block_m, block_n1=bk if quant_a else 64, block_n2=128,
+                               block_k=block_k,
+                               group_m=8, num_warps=4 if block_m < 64 else 8,
+                               num_stages=3 if fmt == "fp8" else 2)
+
+
+def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="silu",
+                       w13_bias=None, w2_bias=None, alpha=1.702, limit=7.0,
+                       gate_up_interleaved=False, weights_on_input=False, w13_scale=None,
+                       w2_scale=None, block_shape=None, quantize_activations=True, config=None,
+                       out=None, check=True):
+    """moe.dispatch's output [T, H] (hidden's dtype) with FP8 block-scaled or MXFP4 w13/w2 (the
+    semantics of moe.dispatch's extended schema). CUDA tensors run the compiled kernels, CPU
+    tensors Triton's interpreter (the EMULATE form of the kernels). `out` (tests poison it):
+    a fresh [T, H] buffer."""
+    if check:
+        fmt, H, I, bn, bk = check_quantized_dispatch(
+            hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+            gate_up_interleaved, weights_on_input, w13_scale, w2_scale, block_shape,
+            quantize_activations)
+    else:
+        from moe_ops.ops.quant_checks import normalize_block_shape
+        from moe_ops.reference.quant import weight_format
+
+        fmt = weight_format(w13)
+        H = hidden.shape[1]
+        I = w2.shape[2] * (2 if fmt == "mxfp4" else 1)
+        bn, bk = normalize_block_shape(block_shape) if fmt == "fp8" else (1, 32)
+    T = hidden.shape[0]
+    E = w13.shape[0]
+    K = topk_ids.shape[1]
+    dev = hidden.device
+    if out is None:
+        out = torch.empty(T, H, dtype=hidden.dtype, device=dev)
+    if T == 0:
+        return out
+    emulate = dev.type != "cuda"
+    quant_a = fmt == "fp8" and bool(quantize_activations)
+    cfg = config or quant_dispatch_config(T, E, K, H, I, fmt, bk, dev.type, quant_a)
+    if fmt == "fp8" and cfg.block_k != bk:
+        raise ValueError(f"config.block_k must equal the FP8 block_shape's bk = {bk}, got "
+                         f"{cfg.block_k}")
+    if quant_a and cfg.block_n1 != bk:
+        raise ValueError(f"config.block_n1 must equal bk = {bk} for W8A8 (the gate+up tile is "
+                         f"one activation group of the down GEMM), got {cfg.block_n1}")
+    if fmt == "mxfp4" and cfg.block_k % 32:
+        raise ValueError(f"config.block_k must be a multiple of 32 for MXFP4, got {cfg.block_k}")
+    # dot_scaled: GPU with 16-bit activations, or the interpreter with float16 ones (its bf16
+    # dots are unreliable)
+    scaled = (fmt == "mxfp4" and cfg.mxfp4_dot_scaled and has_dot_scaled()
+              and (hidden.dtype == torch.float16
+                   or (hidden.dtype == torch.bfloat16 and not emulate)))
+    wfmt = 1 if fmt == "fp8" else 3 if scaled else 2
+    # The interpreter decodes fp8 weights from their bits (its fp8 loads read NaN as 480).
+    w13_k = w13.view(torch.uint8) if emulate and fmt == "fp8" else w13
+    w2_k = w2.view(torch.uint8) if emulate and fmt == "fp8" else w2
+    op_dtype = tl.float32 if emulate and not scaled else _TL_DTYPE[hidden.dtype]
+    dot_precision = "ieee" if op_dtype == tl.float32 else "tf32"
+    n_slots = T * K
+    # One token: row block k is slot k (its K experts are distinct), no alignment launch.
+    direct = T == 1
+    al = DirectRows(topk_ids, cfg.block_m) if direct else align_triton(topk_ids, E, cfg.block_m)
+    n_blocks = al.max_rows // cfg.block_m
+    rows_args = dict(ids_ptr=topk_ids, stride_ik=topk_ids.stride(1), n_experts=E)
+    # The interpreter rounds float32 -> bfloat16 stores by truncation (about half of random
+    # values differ from torch's rounding): bf16 intermediates stay float32 there.
+    inter = torch.float32 if emulate and hidden.dtype == torch.bfloat16 else hidden.dtype
+    if quant_a:   # e4m3 act (its float32 values in the interpreter) and a scale per bk group
+        act = torch.empty(al.max_rows, I, device=dev,
+                          dtype=torch.float32 if emulate else torch.float8_e4m3fn)
+        act_scale = torch.empty(al.max_rows, cdiv(I, bk), dtype=torch.float32, device=dev)
+    else:
+        act = torch.empty(al.max_rows, I, dtype=inter, device=dev)
+        act_scale = act
+    y = torch.empty(n_slots, H, dtype=inter, device=dev)
+    b13 = w13_bias if w13_bias is not None else act
+    b2 = w2_bias if w2_bias is not None else act
+    # direct rows: every slot walks the column tiles together (their weight tiles differ)
+    group_m = max(cfg.group_m, next_pow2(n_blocks)) if direct else cfg.group_m
+    common = dict(WFMT=wfmt, QUANT_A=quant_a, EMULATE=emulate, OP_DTYPE=op_dtype,
+                  DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+                  GROUP_M=group_m, DIRECT=direct, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
+    kernel_for(quant_gate_up_kernel, dev)[(n_blocks * cdiv(I, cfg.block_n1),)](
+        hidden, w13_k, w13_scale, b13, topk_weights, act, al.sorted_slots, al.block_expert,
+        al.num_rows, n_slots, H, I, K, n_blocks, bn, float(alpha), float(limit),
+        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
+        b13.stride(0), b13.stride(1), topk_weights.stride(0), topk_weights.stride(1),
+        act.stride(0), act_scale, act_scale.stride(0), *rows_args.values(),
+        ACTIVATION=ACTIVATIONS.index(activation), INTERLEAVED=bool(gate_up_interleaved),
+        HAS_BIAS=w13_bias is not None, WEIGHTS_ON_INPUT=bool(weights_on_input),
+        BLOCK_N=cfg.block_n1, **common,
+    )
+    kernel_for(quant_down_kernel, dev)[(n_blocks * cdiv(H, cfg.block_n2),)](
+        act, w2_k, w2_scale, b2, topk_weights, y, al.sorted_slots, al.block_expert, al.num_rows,
+        n_slots, H, I, K, n_blocks, bn,
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
+        w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
+        b2.stride(0), b2.stride(1), topk_weights.stride(0), topk_weights.stride(1), y.stride(0),
+        act_scale, act_scale.stride(0), *rows_args.values(),
+        HAS_BIAS=w2_bias is not None, HAS_WEIGHTS=not weights_on_input,
+        BLOCK_N=cfg.block_n2, **common,
+    )
+    if inter != out.dtype:
+        out32 = torch.empty(T, H, dtype=inter, device=dev)
+        combine_triton(y, topk_ids, out32, E)
+        return out.copy_(out32)
+    combine_triton(y, topk_ids, out, E)
+    return out

@@ -1,0 +1,621 @@
+"""Quantized expert weights (issue 42) on CPU: the dequantization against transformers', the
+W8A8 reference, the interpreted kernels (FP8 W8A8 / W8A16, MXFP4 W4A16 with gpt-oss's
+variants) against float64 references on fresh random inputs, scales' edge values, and bad
+input."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+from conftest import needs_interpreter, rel_err
+
+import moe_ops
+from moe_ops.launch._common import kernel_for
+from moe_ops.kernels.quant_gemm import e2m1_decode, e4m3_decode, e4m3_round, e8m0_decode
+from moe_ops.launch.quant import dispatch_quantized
+from moe_ops.ops.quant_checks import check_quantized_dispatch
+from moe_ops.ops.samples import make_dispatch_inputs, quant_dispatch_samples
+from moe_ops.reference.quant import (
+    FP4_VALUES,
+    dequantize_fp8_block,
+    dequantize_mxfp4,
+    quantize_activation_groups,
+    quantize_fp8_block,
+    quantized_dispatch_reference,
+)
+
+
+def _seed():
+    """Fresh inputs every run (the seed is printed by a failing assert through the inputs)."""
+    return int(torch.randint(0, 2**31 - 1, ()).item())
+
+
+def fp8_inputs(T, H, I, E, K, block_shape=(16, 32), dtype=torch.float32, routing="uniform",
+               seed=None, weight_std=0.1):
+    g = torch.Generator().manual_seed(_seed() if seed is None else seed)
+    h, w13, w2, tw, ids = make_dispatch_inputs(T, H, I, E, K, routing=routing, generator=g,
+                                               weight_std=weight_std)
+    q13, s13 = quantize_fp8_block(w13, block_shape)
+    q2, s2 = quantize_fp8_block(w2, block_shape)
+    return (h.to(dtype), q13, q2, tw, ids), dict(w13_scale=s13, w2_scale=s2,
+                                                 block_shape=list(block_shape))
+
+
+def mxfp4_inputs(T, H, I, E, K, dtype=torch.float32, routing="uniform", seed=None):
+    """Random e2m1 bytes with e8m0 scales around 2^-6 (weights up to ~0.1, as trained gpt-oss
+    experts), biases, float32 routing weights."""
+    g = torch.Generator().manual_seed(_seed() if seed is None else seed)
+    h, _, _, tw, ids = make_dispatch_inputs(T, H, 2, E, K, routing=routing, generator=g)
+    b13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8)
+    b2 = torch.randint(0, 256, (E, H, I // 2), generator=g, dtype=torch.uint8)
+    s13 = torch.randint(119, 124, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(119, 124, (E, H, I // 32), generator=g, dtype=torch.uint8)
+    biases = dict(w13_bias=torch.randn(E, 2 * I, generator=g) * 0.1,
+                  w2_bias=torch.randn(E, H, generator=g) * 0.1)
+    return (h.to(dtype), b13, b2, tw, ids), dict(w13_scale=s13, w2_scale=s2), biases
+
+
+def _poisoned(hidden):
+    return torch.full(hidden.shape, float("nan"), dtype=hidden.dtype)
+
+
+# ---------------------------------------------------------------- dequantization, references
+
+def test_mxfp4_dequantize_matches_transformers():
+    mx = pytest.importorskip("transformers.integrations.mxfp4")
+    E, N, G = 3, 5, 4
+    blocks = torch.randint(0, 256, (E, N, G, 16), dtype=torch.uint8)
+    scales = torch.randint(100, 150, (E, N, G), dtype=torch.uint8)
+    scales[0, 0, 0] = 0      # the subnormal 2^-127
+    for dtype in (torch.float32, torch.bfloat16):
+        theirs = mx.convert_moe_packed_tensors(blocks, scales, dtype=dtype)    # [E, K, N]
+        ours = dequantize_mxfp4(blocks.reshape(E, N, G * 16), scales, dtype)  # [E, N, K]
+        assert torch.equal(ours.transpose(1, 2), theirs)
+    assert tuple(mx.FP4_VALUES) == FP4_VALUES
+
+
+def test_fp8_dequantize_matches_transformers():
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    theirs_fn = getattr(fp8, "_dequantize_fp8_weight", None)
+    if theirs_fn is None:
+        pytest.skip("this transformers has no _dequantize_fp8_weight (not run)")
+    w = torch.randn(2, 40, 72)
+    q, s = quantize_fp8_block(w, (16, 32))     # partial blocks on both dims
+    assert s.shape == (2, 3, 3)
+    ours = dequantize_fp8_block(q, s, (16, 32))
+    assert torch.equal(ours, theirs_fn(q, s, [16, 32], torch.float32))
+    assert rel_err(ours, w) < 0.04       # e4m3 has 3 mantissa bits: ~2.5% rms
+
+
+def test_activation_groups():
+    x = torch.randn(3, 40)
+    x[1, :16] = 0.0                      # an all-zero group quantizes to zeros, not NaN
+    x[2, 16:32] *= 1e-20                 # a tiny group keeps its relative precision
+    q = quantize_activation_groups(x, 16)
+    assert torch.equal(q[1, :16], torch.zeros(16, dtype=torch.float64))
+    for r, c in ((0, slice(0, 16)), (2, slice(16, 32)), (0, slice(32, 40))):
+        assert rel_err(q[r, c], x[r, c].double()) < 0.06
+    amax = x[0, :16].abs().max()
+    assert q[0, :16].abs().max().item() == pytest.approx(amax.item(), rel=1e-6)
+
+
+# ---------------------------------------------------------------- interpreter conversions
+
+@triton.jit
+def _convert_kernel(x_ptr, r_ptr, bits_ptr, d_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    tl.store(r_ptr + offs, e4m3_round(x), mask=m)
+    b = tl.load(bits_ptr + offs, mask=m, other=0)
+    tl.store(d_ptr + offs, e4m3_decode(b), mask=m)
+
+
+@needs_interpreter
+def test_e4m3_round_and_decode_match_torch():
+    """The interpreter's own fp8 cast is wrong (see quant_gemm's docstring); the kernels'
+    integer-arithmetic rounding must equal torch's .to(float8_e4m3fn) bit for bit (saturating
+    like the GPU's cvt.rn.satfinite) and the decoding must give every code's value."""
+    g = torch.Generator().manual_seed(_seed())
+    x = torch.cat([torch.randn(20000, generator=g) * 10.0 ** torch.randint(-4, 3, (20000,), generator=g),
+                   torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float(),
+                   torch.tensor([448.0, 464.0, 479.9, 1e9, -1e9, 2.0 ** -10, 3 * 2.0 ** -11,
+                                 2.0 ** -6 - 2.0 ** -12, 0.0, -0.0])])
+    x = x[torch.isfinite(x)]
+    bits = torch.randint(0, 256, (x.numel(),), generator=g, dtype=torch.uint8)
+    bits[:256] = torch.arange(256, dtype=torch.uint8)
+    r = torch.empty_like(x)
+    d = torch.empty_like(x)
+    kernel_for(_convert_kernel, x.device)[(triton.cdiv(x.numel(), 1024),)](
+        x, r, bits, d, x.numel(), BLOCK=1024)
+    want = x.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    assert torch.equal(r.view(torch.int32), want.view(torch.int32)), \
+        (x[r != want][:8], r[r != want][:8], want[r != want][:8])
+    dw = bits.view(torch.float8_e4m3fn).float()
+    assert torch.equal(d.nan_to_num(7.0), dw.nan_to_num(7.0))
+    assert d.isnan().sum() == dw.isnan().sum()
+
+
+@triton.jit
+def _mx_kernel(p_ptr, s_ptr, v_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    p = tl.load(p_ptr + offs).to(tl.int32)
+    s = tl.load(s_ptr + offs // 16)
+    v = tl.reshape(tl.join(e2m1_decode(p & 15), e2m1_decode(p >> 4)), (2 * BLOCK,))
+    sc = tl.reshape(tl.join(e8m0_decode(s), e8m0_decode(s)), (2 * BLOCK,))
+    tl.store(v_ptr + tl.arange(0, 2 * BLOCK), v * sc)
+
+
+@needs_interpreter
+def test_e2m1_e8m0_decode():
+    p = torch.arange(256, dtype=torch.uint8)
+    s = torch.tensor([0, 1, 100, 127, 127, 150, 200, 254, 127, 127, 1, 2, 126, 128, 129, 130],
+                     dtype=torch.uint8)
+    v = torch.empty(512)
+    kernel_for(_mx_kernel, p.device)[(1,)](p, s, v, BLOCK=256)
+    # per value: byte j holds values 2j (low) and 2j+1 (high); scale s[j // 16]
+    lut = torch.tensor(FP4_VALUES)
+    ref = torch.stack([lut[(p & 15).long()], lut[(p >> 4).long()]], -1).flatten()
+    ref = torch.ldexp(ref, (s.long() - 127).repeat_interleave(32).float())
+    assert torch.equal(v, ref)
+
+
+# ---------------------------------------------------------------- FP8 through the interpreter
+
+# W8A8 against unquantized activations at these tiny shapes (16-32 column groups, a few
+# tokens): over 150 seeds per case the reference itself is at a median of 3.6-4.1% (issue 42's
+# 4%) with a tail to 10% (T = 1, K = 3); issue 42's 6e-2 holds at real shapes, where the error
+# averages over many more elements: tests/test_quant_gpu.py checks it there. The kernels' own
+# correctness is the comparison with the same quantization (1e-4).
+TINY_W8A8_VS_UNQUANTIZED = 0.15
+
+
+def _errors(out, args, kw, **more):
+    """(error against the W8A8 reference with the same activation quantization, against
+    float64 on the dequantized weights with unquantized activations)."""
+    w8a8 = quantized_dispatch_reference(*args, **kw, **more)
+    exact = quantized_dispatch_reference(*args, **kw, **more, emulate_kernel=False)
+    return rel_err(out, w8a8), rel_err(out, exact)
+
+
+# (T, H, I, E, K, block_shape, routing): odd H and I (partial scale blocks on both dims),
+# bn not a divisor of the tiles, T = 1, empty experts, ids < 0, all slots on one expert
+FP8_CASES = [
+    (13, 40, 24, 4, 2, (16, 16), "uniform"),
+    (1, 48, 40, 6, 3, (32, 32), "uniform"),
+    (9, 64, 32, 8, 2, (24, 32), "negative"),
+    (6, 32, 16, 4, 1, (16, 16), "one_expert"),
+    (11, 40, 24, 8, 2, (16, 16), "empty_experts"),
+]
+
+
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_fp8_w8a8(interpreter, case):
+    T, H, I, E, K, bs, routing = case
+    args, kw = fp8_inputs(T, H, I, E, K, bs, routing=routing)
+    out = dispatch_quantized(*args, **kw, out=_poisoned(args[0]))
+    same_q, unquantized = _errors(out, args, kw)
+    # float32 activations: only the float32 accumulation order differs from the reference
+    assert same_q < 1e-4, same_q
+    assert unquantized < TINY_W8A8_VS_UNQUANTIZED, unquantized
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_w8a8_half(interpreter, dtype):
+    args, kw = fp8_inputs(10, 64, 32, 4, 2, (16, 32), dtype=dtype)
+    out = dispatch_quantized(*args, **kw, out=_poisoned(args[0]))
+    assert out.dtype == dtype
+    same_q, unquantized = _errors(out, args, kw)
+    assert same_q < 1e-2, same_q
+    assert unquantized < TINY_W8A8_VS_UNQUANTIZED, unquantized
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_w8a16(interpreter, dtype):
+    args, kw = fp8_inputs(12, 40, 24, 4, 2, (16, 16), dtype=dtype, routing="negative")
+    kw["quantize_activations"] = False
+    out = dispatch_quantized(*args, **kw, out=_poisoned(args[0]))
+    _, exact = _errors(out, args, kw)
+    assert exact < (1e-5 if dtype == torch.float32 else 2e-2), exact
+
+
+def test_fp8_transposed_storage(interpreter):
+    """Checkpoints that store [E, H, 2I] / [E, I, H] pass transposed views (any strides)."""
+    args, kw = fp8_inputs(7, 32, 16, 4, 2, (16, 16))
+    h, q13, q2, tw, ids = args
+    q13_t = q13.transpose(1, 2).contiguous().transpose(1, 2)
+    q2_t = q2.transpose(1, 2).contiguous().transpose(1, 2)
+    s13_t = kw["w13_scale"].transpose(1, 2).contiguous().transpose(1, 2)
+    out = dispatch_quantized(h, q13_t, q2_t, tw, ids, **{**kw, "w13_scale": s13_t})
+    assert torch.equal(out, dispatch_quantized(*args, **kw))
+
+
+def test_fp8_variants(interpreter):
+    """Biases, interleaved gate/up, weights on the input, the other activations."""
+    args, kw = fp8_inputs(9, 32, 16, 4, 2, (16, 16))
+    E, H, I = 4, 32, 16
+    for more in (dict(activation="swiglu_oai", gate_up_interleaved=True,
+                      w13_bias=torch.randn(E, 2 * I) * 0.1, w2_bias=torch.randn(E, H) * 0.1),
+                 dict(activation="gelu", weights_on_input=True),
+                 dict(activation="gelu_tanh"), dict(activation="relu")):
+        out = dispatch_quantized(*args, **kw, **more, out=_poisoned(args[0]))
+        same_q, unquantized = _errors(out, args, kw, **more)
+        assert same_q < 1e-4, (more, same_q)
+        assert unquantized < TINY_W8A8_VS_UNQUANTIZED, (more, unquantized)
+
+
+def test_fp8_scale_edge_values(interpreter):
+    """Zero, tiny (1e-30 x) and huge (1e20 x) block scales: each token uses one expert whose
+    scales are all of one kind; every token's output matches the reference relative to its
+    own size (zeros for the zero-scale expert)."""
+    E, H, I, T = 4, 32, 16, 8
+    args, kw = fp8_inputs(T, H, I, E, 1, (16, 16), seed=_seed())
+    h, q13, q2, tw, _ = args
+    ids = (torch.arange(T) % E).view(T, 1).int()
+    factor = torch.tensor([1.0, 0.0, 1e-30, 1e20]).view(E, 1, 1)
+    kw = {**kw, "w2_scale": kw["w2_scale"] * factor, "quantize_activations": True}
+    out = dispatch_quantized(h, q13, q2, tw, ids, **kw, out=_poisoned(h))
+    ref = quantized_dispatch_reference(h, q13, q2, tw, ids, **kw)
+    assert torch.isfinite(out).all()
+    for t in range(T):
+        if ids[t, 0] == 1:
+            assert torch.equal(out[t], torch.zeros(H))
+        else:
+            assert rel_err(out[t], ref[t]) < 1e-4, (t, ids[t, 0])
+
+
+@pytest.mark.parametrize("which", ["w13_scale", "w2_scale"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_fp8_nonfinite_scale_is_local(interpreter, which, bad):
+    """A NaN/inf in one block's scale reaches only the outputs that read that block: through
+    w13 every output of the tokens routed to that expert, through w2 the bn output columns of
+    that block of those tokens; nothing else."""
+    E, H, I, T, bs = 4, 32, 16, 12, (16, 16)
+    args, kw = fp8_inputs(T, H, I, E, 2, bs)
+    h, q13, q2, tw, ids = args
+    e = int(ids[0, 0])
+    s = kw[which].clone()
+    s[e, 1, 0] = bad
+    out = dispatch_quantized(h, q13, q2, tw, ids, **{**kw, which: s}, out=_poisoned(h))
+    clean = dispatch_quantized(*args, **kw)
+    uses = (ids == e).any(1)
+    cols = torch.zeros(H, dtype=torch.bool)
+    if which == "w2_scale":
+        cols[bs[0]:2 * bs[0]] = True
+    else:
+        cols[:] = True
+    hit = uses[:, None] & cols[None, :]
+    assert torch.equal(out[~hit], clean[~hit])
+    assert (~torch.isfinite(out[hit])).any()
+
+
+def test_fp8_edges(interpreter):
+    """T = 0; every id dropped (zeros); int64 ids; deterministic and batch-invariant rows."""
+    args, kw = fp8_inputs(0, 32, 16, 4, 2, (16, 16))
+    assert dispatch_quantized(*args, **kw).shape == (0, 32)
+    args, kw = fp8_inputs(5, 32, 16, 4, 2, (16, 16))
+    h, q13, q2, tw, ids = args
+    out = dispatch_quantized(h, q13, q2, tw, torch.full_like(ids, -1), **kw, out=_poisoned(h))
+    assert torch.equal(out, torch.zeros_like(out))
+    a = dispatch_quantized(h, q13, q2, tw, ids.long(), **kw)
+    assert torch.equal(a, dispatch_quantized(*args, **kw))
+    # batch invariance: a token's output does not depend on the other tokens
+    one = dispatch_quantized(h[2:3], q13, q2, tw[2:3], ids[2:3], **kw)
+    assert torch.allclose(one[0], a[2], rtol=1e-6, atol=1e-7)
+    # non-contiguous hidden and topk_weights (strides are passed, nothing is copied)
+    h_t = h.t().contiguous().t()
+    tw_t = tw.t().contiguous().t()
+    assert not h_t.is_contiguous() and not tw_t.is_contiguous()
+    assert torch.equal(dispatch_quantized(h_t, q13, q2, tw_t, ids, **kw), a)
+
+
+# ---------------------------------------------------------------- MXFP4 through the interpreter
+
+@pytest.mark.parametrize("variant", ["plain", "gpt_oss", "weights_on_input"])
+def test_mxfp4_w4a16(interpreter, variant):
+    args, kw, biases = mxfp4_inputs(11, 64, 64, 4, 2, routing="negative")
+    more = {"plain": {},
+            "gpt_oss": dict(activation="swiglu_oai", gate_up_interleaved=True, alpha=1.702,
+                            limit=7.0, **biases),
+            "weights_on_input": dict(weights_on_input=True, activation="gelu")}[variant]
+    out = dispatch_quantized(*args, **kw, **more, out=_poisoned(args[0]))
+    ref = quantized_dispatch_reference(*args, **kw, **more)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_mxfp4_bf16_and_transposed(interpreter):
+    """bf16 activations (<= 1e-2, issue 42), and the blocks as a transposed view of [E, H/2,
+    2I] storage."""
+    args, kw, biases = mxfp4_inputs(9, 96, 32, 4, 2, dtype=torch.bfloat16)
+    h, b13, b2, tw, ids = args
+    more = dict(activation="swiglu_oai", gate_up_interleaved=True, **biases)
+    out = dispatch_quantized(*args, **kw, **more, out=_poisoned(h))
+    ref = quantized_dispatch_reference(*args, **kw, **more)
+    assert rel_err(out, ref) < 1e-2
+    b13_t = b13.transpose(1, 2).contiguous().transpose(1, 2)
+    s13_t = kw["w13_scale"].transpose(1, 2).contiguous().transpose(1, 2)
+    out_t = dispatch_quantized(h, b13_t, b2, tw, ids, **{**kw, "w13_scale": s13_t}, **more)
+    assert torch.equal(out_t, out)
+
+
+# ---------------------------------------------------------------- bad input
+
+def _bad(fn, exc, *words):
+    with pytest.raises(exc) as info:
+        fn()
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_bad_input():
+    args, kw = fp8_inputs(3, 32, 16, 4, 2, (16, 16))
+    h, q13, q2, tw, ids = args
+    c = check_quantized_dispatch
+    _bad(lambda: c(*args, w13_scale=kw["w13_scale"][:, :1], w2_scale=kw["w2_scale"],
+                   block_shape=[16, 16]), ValueError, "w13_scale", "shape")
+    _bad(lambda: c(*args, w13_scale=kw["w13_scale"].double(), w2_scale=kw["w2_scale"],
+                   block_shape=[16, 16]), TypeError, "w13_scale", "float32")
+    _bad(lambda: c(*args, w13_scale=kw["w13_scale"], w2_scale=kw["w2_scale"],
+                   block_shape=[16, 24]), ValueError, "block_shape", "bk")
+    _bad(lambda: c(*args, w13_scale=kw["w13_scale"], w2_scale=kw["w2_scale"],
+                   block_shape=[32, 16]), ValueError, "w13_scale", "block_shape")
+    _bad(lambda: c(*args, block_shape=[16, 16]), ValueError, "w13_scale", "required")
+    _bad(lambda: c(h.to(torch.float8_e4m3fn), q13, q2, tw, ids, **kw), TypeError, "hidden")
+    _bad(lambda: c(h, q13.float(), q2, tw, ids, **kw), TypeError, "w13", "w2")
+    margs, mkw, _ = mxfp4_inputs(3, 64, 32, 4, 2)
+    mh, b13, b2, mtw, mids = margs
+    _bad(lambda: c(mh[:, :48], b13, b2, mtw, mids, **mkw), ValueError, "H")
+    _bad(lambda: c(mh, b13[:, :, :16], b2, mtw, mids, **mkw), ValueError, "w13")
+    _bad(lambda: c(mh, b13, b2, mtw, mids, w13_scale=mkw["w13_scale"][..., :1],
+                   w2_scale=mkw["w2_scale"]), ValueError, "w13_scale")
+    _bad(lambda: c(*margs, w13_scale=mkw["w13_scale"].float(), w2_scale=mkw["w2_scale"]),
+         TypeError, "w13_scale", "uint8")
+    _bad(lambda: c(*margs, **mkw, block_shape=[128, 128]), ValueError, "block_shape")
+    _bad(lambda: c(*margs, **mkw, activation="tanh"), ValueError, "activation")
+    _bad(lambda: c(*margs, **mkw, w13_bias=torch.zeros(4, 3)), ValueError, "w13_bias")
+
+
+# ---------------------------------------------------------------- moe.dispatch
+
+@pytest.mark.parametrize("path", ["reference", "interpreter"])
+def test_op_matches_reference(request, path):
+    """torch.ops.moe.dispatch with quantized weights, on the CPU reference and the interpreted
+    kernels, against the reference computed directly."""
+    request.getfixturevalue("reference_path" if path == "reference" else "interpreter")
+    for args, kw in quant_dispatch_samples():
+        out = torch.ops.moe.dispatch(*args, **kw)
+        assert out.shape == args[0].shape and out.dtype == args[0].dtype
+        if args[0].shape[0]:
+            assert rel_err(out, quantized_dispatch_reference(*args, **kw)) < 1e-4, kw
+
+
+def test_opcheck(interpreter):
+    """opcheck's test_schema compares the inputs before and after with torch.allclose, which
+    torch does not implement for float8 (NotImplementedError "mul_cpu_reduced_float"): FP8
+    samples get the other checks and an explicit bitwise no-mutation check instead."""
+    for args, kw in quant_dispatch_samples():
+        fp8 = args[1].dtype == torch.float8_e4m3fn
+        utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+        torch.library.opcheck(torch.ops.moe.dispatch.default, args, kw,
+                              test_utils=utils if fp8 else utils + ("test_schema",))
+        if fp8:
+            before = [a.view(torch.uint8).clone() if a.dtype == torch.float8_e4m3fn
+                      else a.clone() for a in args]
+            torch.ops.moe.dispatch(*args, **kw)
+            for a, b in zip(args, before):
+                assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn
+                                   else a, b)
+
+
+def test_fake_and_meta():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args, kw = quant_dispatch_samples()[2]
+    with FakeTensorMode() as mode:
+        fa = [mode.from_tensor(a) for a in args]
+        fk = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        out = torch.ops.moe.dispatch(*fa, **fk)
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+
+
+@pytest.mark.parametrize("which", [1, 4])
+def test_gradients_through_frozen_experts(reference_path, which):
+    """hidden, topk_weights and the biases get gradients through quantized experts: those of
+    the float64 computation on the dequantized weights (activation quantization taken as the
+    identity); the experts are frozen (a scale that requires grad is refused by name); the
+    internal backward op refuses quantized weights."""
+    args, kw = quant_dispatch_samples()[which]
+    h, q13, q2, tw, ids = args
+    E, I2 = q13.shape[:2]
+    kw = dict(kw, w13_bias=torch.randn(E, I2) * 0.1, w2_bias=torch.randn(E, h.shape[1]) * 0.1)
+    leaves = [h.clone().requires_grad_(True), tw.clone().requires_grad_(True),
+              kw["w13_bias"].clone().requires_grad_(True), kw["w2_bias"].clone().requires_grad_(True)]
+    kw_g = dict(kw, w13_bias=leaves[2], w2_bias=leaves[3])
+    out = moe_ops.dispatch(leaves[0], q13, q2, leaves[1], ids, **kw_g)
+    go = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, go)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref = quantized_dispatch_reference(ref_leaves[0], q13, q2, ref_leaves[1], ids,
+                                       **dict(kw, w13_bias=ref_leaves[2], w2_bias=ref_leaves[3]),
+                                       emulate_kernel=False)
+    want = torch.autograd.grad(ref, ref_leaves, go.double())
+    for name, a, b in zip(("hidden", "topk_weights", "w13_bias", "w2_bias"), got, want):
+        assert a.shape == b.shape and a.dtype == leaves[0].dtype
+        assert rel_err(a, b) < 1e-5, name
+    if kw["w13_scale"].is_floating_point():      # (uint8 e8m0 scales cannot require grad)
+        s13 = kw["w13_scale"].clone().requires_grad_()
+        with pytest.raises(ValueError, match="w13_scale.*frozen"):
+            moe_ops.dispatch(*args, **{**kw, "w13_scale": s13})
+        with torch.no_grad():     # inference reads a trainable scale as it is
+            moe_ops.dispatch(*args, **{**kw, "w13_scale": s13})
+    with pytest.raises(NotImplementedError):
+        torch.ops.moe.dispatch_backward(torch.zeros_like(h), *args, **kw)
+
+
+def test_op_bad_input(reference_path):
+    """Through the public entry point: scales with float weights, FP8 weights without scales,
+    a hidden of FP8 dtype."""
+    args, kw = quant_dispatch_samples()[1]
+    h, q13, q2, tw, ids = args
+    wf = torch.zeros(q13.shape)
+    with pytest.raises(TypeError, match="w13_scale"):
+        moe_ops.dispatch(h, wf, torch.zeros(q2.shape), tw, ids, w13_scale=kw["w13_scale"])
+    with pytest.raises(ValueError, match="w13_scale.*required"):
+        moe_ops.dispatch(h, q13, q2, tw, ids)
+    with pytest.raises(TypeError, match="hidden"):
+        moe_ops.dispatch(h.to(torch.float8_e4m3fn), q13, q2, tw, ids, **kw)
+
+
+# ---------------------------------------------------------------- transformers
+
+def test_hf_fp8_experts(interpreter):
+    """transformers' FineGrainedFP8 experts (FP8Experts) run through moe.dispatch on their own
+    parameters: against transformers' dequantization and gating in float64 (<= 6e-2, W8A8) and
+    against the W8A8 reference (<= 1e-4, float32 activations); "moe_ops" joins the FP8 experts
+    interface."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from transformers import Qwen3MoeConfig
+
+    from moe_ops.integrations.hf_quant import fp8_experts_forward, register_fp8_experts_interface
+
+    E, H, I, T, K = 4, 256, 128, 6, 2
+    experts = fp8.FP8Experts(Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I,
+                                            num_experts=E, num_experts_per_tok=K),
+                             block_size=(128, 128))
+    g = torch.Generator().manual_seed(_seed())
+    q13, s13 = quantize_fp8_block(torch.randn(E, 2 * I, H, generator=g) * 0.05, (128, 128))
+    q2, s2 = quantize_fp8_block(torch.randn(E, H, I, generator=g) * 0.05, (128, 128))
+    with torch.no_grad():
+        for name, t in (("gate_up_proj", q13), ("gate_up_proj_scale_inv", s13),
+                        ("down_proj", q2), ("down_proj_scale_inv", s2)):
+            getattr(experts, name).data = t
+    x = torch.randn(T, H, generator=g)
+    w, ids = torch.rand(T, E, generator=g).softmax(-1).topk(K, -1)
+    out = fp8_experts_forward(experts, x, ids, w)
+    # transformers' own arithmetic on its dequantized weights
+    deq = getattr(fp8, "_dequantize_fp8_weight", None)
+    if deq is None:
+        pytest.skip("this transformers has no _dequantize_fp8_weight (not run)")
+    d13 = deq(q13, s13, [128, 128], torch.float64)
+    d2 = deq(q2, s2, [128, 128], torch.float64)
+    ref = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            a = experts._apply_gate(x[t].double() @ d13[e].t())
+            ref[t] += w[t, k].double() * (a @ d2[e].t())
+    assert rel_err(out, ref) < 6e-2
+    kw = dict(w13_scale=s13, w2_scale=s2, block_shape=[128, 128])
+    assert rel_err(out, quantized_dispatch_reference(x, q13, q2, w, ids, **kw)) < 1e-4
+    assert register_fp8_experts_interface()
+    assert fp8.ALL_FP8_EXPERTS_FUNCTIONS["moe_ops"] is fp8_experts_forward
+    # patch_quantized_experts: the module's own forward now runs moe.dispatch
+    from moe_ops.integrations.hf_quant import patch_quantized_experts
+
+    holder = torch.nn.Module()
+    holder.experts = experts
+    assert patch_quantized_experts(holder) == 1
+    assert torch.equal(experts(x, ids, w), out)
+    experts.activation_scheme = "static"
+    with pytest.raises(Exception, match="activation_scheme"):
+        patch_quantized_experts(holder)
+
+
+def test_hf_mxfp4_attach(interpreter):
+    """gpt-oss's raw checkpoint tensors ([E, N, K/32, 16] blocks) attached to an experts
+    module run with its biases, alpha and limit, as transformers dequantizes and computes them
+    (convert_moe_packed_tensors, GptOssExperts' arithmetic) in float64."""
+    mx = pytest.importorskip("transformers.integrations.mxfp4")
+    from moe_ops.integrations.hf_quant import attach_mxfp4, mxfp4_experts_forward
+
+    E, H, I, T, K = 4, 64, 64, 5, 2
+    g = torch.Generator().manual_seed(_seed())
+    kw = dict(generator=g, dtype=torch.uint8)
+    blocks13 = torch.randint(0, 256, (E, 2 * I, H // 32, 16), **kw)
+    scales13 = torch.randint(119, 123, (E, 2 * I, H // 32), **kw)
+    blocks2 = torch.randint(0, 256, (E, H, I // 32, 16), **kw)
+    scales2 = torch.randint(119, 123, (E, H, I // 32), **kw)
+    experts = torch.nn.Module()
+    experts.alpha, experts.limit = 1.702, 7.0
+    experts.gate_up_proj_bias = torch.nn.Parameter(torch.randn(E, 2 * I, generator=g) * 0.1)
+    experts.down_proj_bias = torch.nn.Parameter(torch.randn(E, H, generator=g) * 0.1)
+    attach_mxfp4(experts, blocks13, scales13, blocks2, scales2)
+    x = torch.randn(T, H, generator=g)
+    w, ids = torch.rand(T, E, generator=g).softmax(-1).topk(K, -1)
+    with torch.no_grad():
+        out = mxfp4_experts_forward(experts, x, ids, w)
+    # GptOssExperts: gate_up_proj [E, H, 2I] (dequantized, transposed), gate = [..., ::2]
+    gu = mx.convert_moe_packed_tensors(blocks13, scales13, dtype=torch.float32).double()
+    dn = mx.convert_moe_packed_tensors(blocks2, scales2, dtype=torch.float32).double()
+    ref = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            h = x[t].double() @ gu[e] + experts.gate_up_proj_bias[e].double()
+            gate, up = h[::2].clamp(max=7.0), h[1::2].clamp(-7.0, 7.0)
+            a = (up + 1) * gate * torch.sigmoid(gate * 1.702)
+            ref[t] += w[t, k].double() * (a @ dn[e] + experts.down_proj_bias[e].double())
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_compile_fullgraph_one_frame(reference_path):
+    """torch.compile(fullgraph=True) traces a router + moe.dispatch with quantized weights
+    through the op's fake (aot_eager: the graph, not Inductor's code), T unbacked: one frame
+    for every T, results equal to eager."""
+    from torch._dynamo.decorators import mark_unbacked
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    args, kw = quant_dispatch_samples()[2]
+    h, q13, q2, tw, ids = args
+    router = torch.randn(h.shape[1], q13.shape[0])
+
+    def f(h):
+        w, i = (h @ router).softmax(-1).topk(tw.shape[1], dim=-1)
+        return moe_ops.dispatch(h, q13, q2, w, i, **kw)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(f, fullgraph=True, backend=counter)
+    for T in (9, 5, 1):
+        hT = h[:T].clone()
+        mark_unbacked(hT, 0)
+        assert torch.equal(fn(hT), f(hT))
+    assert counter.frame_count == 1
+
+
+def test_one_token_direct_rows(interpreter):
+    """T = 1 runs without an alignment (row block k = slot k): a dropped id (-1) contributes
+    nothing, NaN weights in an expert no slot uses are never read; FP8 W8A8 and MXFP4."""
+    args, kw = fp8_inputs(1, 32, 16, 6, 3, (16, 16))
+    h, q13, q2, tw, _ = args
+    ids = torch.tensor([[4, -1, 1]], dtype=torch.int32)
+    q13 = q13.clone()
+    q13[0] = float("nan")            # expert 0: unused (a dropped id must not read it)
+    out = dispatch_quantized(h, q13, q2, tw, ids, **kw, out=_poisoned(h))
+    assert rel_err(out, quantized_dispatch_reference(h, q13, q2, tw, ids, **kw)) < 1e-4
+    margs, mkw, biases = mxfp4_inputs(1, 64, 32, 4, 2)
+    mh, b13, b2, mtw, _ = margs
+    mids = torch.tensor([[-1, 2]], dtype=torch.int32)
+    more = dict(activation="swiglu_oai", gate_up_interleaved=True, **biases)
+    out = dispatch_quantized(mh, b13, b2, mtw, mids, **mkw, **more, out=_poisoned(mh))
+    assert rel_err(out, quantized_dispatch_reference(mh, b13, b2, mtw, mids, **mkw, **more)) < 1e-5
+
+
+@pytest.mark.skipif(not hasattr(tl, "dot_scaled"), reason="this Triton has no tl.dot_scaled")
+def test_mxfp4_dot_scaled_path(interpreter):
+    """The tl.dot_scaled form of the MXFP4 kernels (QuantDispatchConfig.mxfp4_dot_scaled; the
+    interpreter runs it with float16 activations) matches the reference, with gpt-oss's
+    variants and a K tail (H = 96: the last 64-wide K step is half empty)."""
+    import dataclasses
+
+    from moe_ops.launch.quant import has_dot_scaled, quant_dispatch_config
+
+    assert has_dot_scaled()
+    args, kw, biases = mxfp4_inputs(7, 96, 64, 4, 2, dtype=torch.float16, routing="negative")
+    more = dict(activation="swiglu_oai", gate_up_interleaved=True, **biases)
+    cfg = dataclasses.replace(quant_dispatch_config(7, 4, 2, 96, 64, "mxfp4", 32, "cpu"),
+                              mxfp4_dot_scaled=True)
+    out = dispatch_quantized(*args, **kw, **more, config=cfg, out=_poisoned(args[0]))
+    ref = quantized_dispatch_reference(*args, **kw, **more)
+    assert rel_err(out, ref) < 3e-3      # float16 intermediates (act, y, out)
+    plain = dispatch_quantized(*args, **kw, **more)
+    assert rel_err(out, plain.double()) < 3e-3

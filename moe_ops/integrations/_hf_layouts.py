@@ -176,6 +176,15 @@ class _ProbeSelf:
         return getattr(self.__dict__["_m"], name)
 
 
+def _gate_settings(experts):
+    """What the gate's arithmetic depends on besides the class: the activation module's class
+    and the module's scalar settings (train/eval mode excluded)."""
+    return (type(getattr(experts, "act_fn", None)),) + tuple(sorted(
+        (k, v) for k, v in vars(experts).items()
+        if not k.startswith("_") and k != "training"
+        and (v is None or isinstance(v, (bool, int, float, str)))))
+
+
 def experts_layout(experts: torch.nn.Module, where: str | None = None) -> ExpertsLayout:
     """The dispatch arguments of an experts module, or `UnsupportedModelError` naming every
     difference the op does not compute."""
@@ -199,11 +208,13 @@ def experts_layout(experts: torch.nn.Module, where: str | None = None) -> Expert
     transposed = bool(getattr(experts, "is_transposed", False)
                       or getattr(experts, "experts_are_transposed", False))
     activation, interleaved, alpha, limit = "silu", False, 1.702, 7.0
-    gate = getattr(experts, "_moe_ops_gate", None)
-    if not problems and gate is not None:
-        # the gate's arithmetic, found once (its probe imports transformers' modules, which a
-        # torch.compile trace of the forward cannot do)
-        activation, interleaved, alpha, limit = gate
+    # The gate's arithmetic is found once per module and setting (its probe imports
+    # transformers' modules, which a torch.compile trace of the forward cannot do); a changed
+    # setting (an activation or clamp limit set afterwards) finds it again.
+    settings = _gate_settings(experts)
+    cached = getattr(experts, "_moe_ops_gate", None)
+    if not problems and cached is not None and cached[0] == settings:
+        activation, interleaved, alpha, limit = cached[1]
     elif not problems:
         gate_fn = getattr(type(experts), "_apply_gate", None)
         two_i = w13.shape[2] if transposed else w13.shape[1]
@@ -225,7 +236,7 @@ def experts_layout(experts: torch.nn.Module, where: str | None = None) -> Expert
             else:
                 activation = name
         if not problems:
-            experts._moe_ops_gate = (activation, interleaved, alpha, limit)
+            experts._moe_ops_gate = (settings, (activation, interleaved, alpha, limit))
     b13 = getattr(experts, "gate_up_proj_bias", None)
     b2 = getattr(experts, "down_proj_bias", None)
     if getattr(experts, "has_bias", False) and not (isinstance(b13, torch.Tensor)

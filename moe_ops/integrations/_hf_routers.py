@@ -218,7 +218,7 @@ ROUTER_MODULES = {
     "MiMoV2FlashTopkRouter": "mimo_v2_flash", "KimiLinearTopkRouter": "kimi_linear",
     "AXK1TopkRouter": "axk1",
 }
-_BY_NAME = {name: fn for fn, names in ROUTER_KINDS.items() for name in names}
+ROUTER_BY_NAME = {name: fn for fn, names in ROUTER_KINDS.items() for name in names}
 ROUTER_FUNCTIONS = frozenset(ROUTER_KINDS)
 
 # The attributes each kind reads (a router class of that name without them is not the one
@@ -241,7 +241,7 @@ def router_forward_for(router) -> "callable | None":
     cls = type(router)
     if not cls.__module__.startswith("transformers."):
         return None
-    fn = _BY_NAME.get(cls.__name__)
+    fn = ROUTER_BY_NAME.get(cls.__name__)
     if fn is None:
         return None
     if any(not hasattr(router, a) for a in _NEEDS[fn]):

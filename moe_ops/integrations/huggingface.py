@@ -480,7 +480,7 @@ def _router_classes():
             continue
         cls = getattr(mod, name, None)
         if isinstance(cls, type):
-            out.append((cls, _hf_routers._BY_NAME[name]))
+            out.append((cls, _hf_routers.ROUTER_BY_NAME[name]))
     return out
 
 

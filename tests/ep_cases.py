@@ -472,6 +472,12 @@ def _case_explain(rank, W, group, device, dtype):
 def _case_compiled(rank, W, group, device, dtype):
     """torch.compile (inductor): sync_free and replicated with fullgraph=True, the default
     all-to-all with its graph break; forward and backward equal eager's."""
+    import tempfile
+
+    # one inductor cache per rank (kept between runs): the ranks compile the same graphs at
+    # the same time
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                         f"moe_ops_ep_inductor_rank{rank}")
     E, H, I, K = 2 * W, 8, 6, 2
     w13, w2, per = _problem(W, E=E, H=H, I=I, K=K, tokens=[4] * W, seed=23, dtype=dtype,
                             device=device)

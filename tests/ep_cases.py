@@ -13,6 +13,7 @@ import datetime
 import inspect
 import json
 import os
+import sys
 import traceback
 
 import torch
@@ -639,9 +640,12 @@ CASES = _cases()
 
 
 def run_cases(rank, W, init, names, out_dir, device="cpu", dtype=torch.float64,
-              timeout_s=20.0):
+              timeout_s=60.0, hard_exit=False):
     """Worker of one rank: init the group (`init`: a FileStore path for gloo, or "env" for
-    torchrun), run the named cases, write {name: "ok" | traceback} to out_dir/rank<r>.json."""
+    torchrun), run the named cases, write {name: "ok" | traceback} to out_dir/rank<r>.json.
+    `hard_exit`: leave with os._exit(0) once the results are written (a spawned rank that ran
+    torch.compile sometimes aborted in interpreter teardown, "terminate called without an
+    active exception", after its results were complete)."""
     backend = "gloo" if device == "cpu" else "nccl"
     if device != "cpu":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -666,3 +670,7 @@ def run_cases(rank, W, init, names, out_dir, device="cpu", dtype=torch.float64,
                 json.dump(results, f)
     finally:
         dist.destroy_process_group()
+    if hard_exit:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -4,7 +4,7 @@ file. tests/test_compat.py exercises each entry point on the installed versions 
 tests.
 
 torch: the dispatcher's keysets (the autograd kernels re-dispatch below Autograd), schema
-lookup, functorch's transform state.
+lookup, functorch's transform state, torch.distributed's functional collective ops.
 Triton: the compiled kernel's launcher (fast launch), the active driver's device and stream,
 the launch hooks, the JIT's kernel choice without a launch (verify mode), host tensor
 descriptors built without re-validation, the global-scratch allocator, and the interpreter
@@ -14,6 +14,18 @@ from __future__ import annotations
 import inspect
 
 import torch
+
+# --------------------------------------------------------------------------------------------
+# torch.distributed
+# --------------------------------------------------------------------------------------------
+
+
+def c10d_functional():
+    """torch.distributed's functional collectives as ops (all_to_all_single, all_reduce,
+    wait_tensor): traceable by torch.compile, with autograd registered for wait_tensor
+    (moe_ops.distributed)."""
+    return torch.ops._c10d_functional
+
 
 # --------------------------------------------------------------------------------------------
 # torch dispatcher

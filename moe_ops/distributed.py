@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe_ops._compat import c10d_functional
 from moe_ops._runtime import checks_enabled
 
 __all__ = ["ExpertParallelConfig", "ExpertParallelGroup", "even_shard", "expert_parallel_dispatch",
@@ -40,7 +41,7 @@ _MODES = ("all_to_all", "replicated")
 
 
 def _c10d():
-    return torch.ops._c10d_functional
+    return c10d_functional()
 
 
 def even_shard(num_experts: int, world_size: int, rank: int) -> tuple[int, int]:

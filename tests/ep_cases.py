@@ -13,6 +13,7 @@ import datetime
 import inspect
 import json
 import os
+import sys
 import traceback
 
 import torch
@@ -472,6 +473,12 @@ def _case_explain(rank, W, group, device, dtype):
 def _case_compiled(rank, W, group, device, dtype):
     """torch.compile (inductor): sync_free and replicated with fullgraph=True, the default
     all-to-all with its graph break; forward and backward equal eager's."""
+    import tempfile
+
+    # one inductor cache per rank (kept between runs): the ranks compile the same graphs at
+    # the same time
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                         f"moe_ops_ep_inductor_rank{rank}")
     E, H, I, K = 2 * W, 8, 6, 2
     w13, w2, per = _problem(W, E=E, H=H, I=I, K=K, tokens=[4] * W, seed=23, dtype=dtype,
                             device=device)
@@ -633,9 +640,12 @@ CASES = _cases()
 
 
 def run_cases(rank, W, init, names, out_dir, device="cpu", dtype=torch.float64,
-              timeout_s=20.0):
+              timeout_s=60.0, hard_exit=False):
     """Worker of one rank: init the group (`init`: a FileStore path for gloo, or "env" for
-    torchrun), run the named cases, write {name: "ok" | traceback} to out_dir/rank<r>.json."""
+    torchrun), run the named cases, write {name: "ok" | traceback} to out_dir/rank<r>.json.
+    `hard_exit`: leave with os._exit(0) once the results are written (a spawned rank that ran
+    torch.compile sometimes aborted in interpreter teardown, "terminate called without an
+    active exception", after its results were complete)."""
     backend = "gloo" if device == "cpu" else "nccl"
     if device != "cpu":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -660,3 +670,7 @@ def run_cases(rank, W, init, names, out_dir, device="cpu", dtype=torch.float64,
                 json.dump(results, f)
     finally:
         dist.destroy_process_group()
+    if hard_exit:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -113,3 +113,10 @@ def test_feature_probes_answer_on_this_triton():
         assert s["gluon_tma_multicast"], s
     if _features.triton_version() >= (3, 8, 0):
         assert s["gluon_hopper_tma_load"] == "async_load", s
+
+
+def test_c10d_functional_ops_exist():
+    # moe_ops.distributed's collectives (its gloo tests run them; this checks the names alone)
+    ops = _compat.c10d_functional()
+    for name in ("all_to_all_single", "all_reduce", "wait_tensor"):
+        assert hasattr(ops, name), name

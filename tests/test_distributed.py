@@ -29,7 +29,7 @@ _W2_ONLY = {"dynamo_explain", "hf_apply_moe_ops_expert_parallel", "hf_shard_expe
             "hf_transformers_ep_plan"}
 
 
-def _spawn(fn, args, nprocs, timeout_s=240):
+def _spawn(fn, args, nprocs, timeout_s=400):
     ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):
@@ -39,9 +39,12 @@ def _spawn(fn, args, nprocs, timeout_s=240):
             raise AssertionError(f"the spawned ranks did not finish within {timeout_s} s")
 
 
-def _results(W, names, tmp_path_factory):
+def _results(W, names, tmp_path_factory, timeout_s=60.0):
+    """`timeout_s`: the group's timeout, also the rendezvous's: on 2 loaded cores one rank can
+    start (import torch) or compile (torch.compile) tens of seconds after another."""
     d = tmp_path_factory.mktemp(f"ep_w{W}")
-    _spawn(ep_cases.run_cases, (W, str(d / "store"), names, str(d)), W)
+    _spawn(ep_cases.run_cases, (W, str(d / "store"), names, str(d), "cpu", torch.float64,
+                                timeout_s, True), W)
     out = {}
     for r in range(W):
         with open(d / f"rank{r}.json") as f:
@@ -84,7 +87,7 @@ def test_world_size_4(results_w4, name):
 
 @pytest.mark.slow
 def test_compiled(tmp_path_factory):
-    _check(_results(2, ["compiled"], tmp_path_factory), "compiled")
+    _check(_results(2, ["compiled"], tmp_path_factory, timeout_s=300.0), "compiled")
 
 
 def test_not_initialised():

@@ -151,15 +151,9 @@ def bench_case(shape, T, mode, args, device, dtype, timer):
 
 
 def _graph_time(fn, iters):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    from moe_ops.tools._timing import capture_graph
+
+    g, _ = capture_graph(fn)
     times = []
     for _ in range(iters):
         dist.barrier()

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moe_ops.reference.dispatch import activate
+
 # e2m1 code -> value (sign bit 3, exponent bits 2-1, mantissa bit 0), as transformers' FP4_VALUES
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -124,21 +126,8 @@ def quantize_activation_groups(x: torch.Tensor, bk: int) -> torch.Tensor:
 
 
 def apply_activation(g, u, activation="silu", alpha=1.702, limit=7.0):
-    """a from the gate and up halves (moe.dispatch's activations)."""
-    if activation == "silu":
-        return F.silu(g) * u
-    if activation == "gelu":
-        return F.gelu(g) * u
-    if activation == "gelu_tanh":
-        return F.gelu(g, approximate="tanh") * u
-    if activation == "relu":
-        return F.relu(g) * u
-    if activation == "swiglu_oai":
-        g = g.clamp(max=limit)
-        u = u.clamp(-limit, limit)
-        return (u + 1) * g * torch.sigmoid(alpha * g)
-    raise ValueError(f"activation must be one of silu, gelu, gelu_tanh, relu, swiglu_oai, "
-                     f"got {activation!r}")
+    """a from the gate and up halves (moe.dispatch's activations: reference.dispatch.activate)."""
+    return activate(g, u, activation, alpha, limit)
 
 
 def dense_dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activation="silu",

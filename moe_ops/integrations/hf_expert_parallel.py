@@ -16,10 +16,12 @@ __all__ = ["is_expert_parallel", "shard_experts"]
 
 
 def shard_experts(model: torch.nn.Module, group=None, *, mode: str = "all_to_all",
-                  sync_free: bool = False, capacity: int | None = None):
+                  sync_free: bool = False, capacity: int | None = None,
+                  pipeline_chunks: int = 1):
     """Turns a single-device transformers MoE model into an expert-parallel one over `group`
     (None: the default process group): `apply_moe_ops(model, expert_parallel_group=
-    ExpertParallelConfig(group=group, mode=mode, sync_free=sync_free, capacity=capacity))`.
+    ExpertParallelConfig(group=group, mode=mode, sync_free=sync_free, capacity=capacity,
+    pipeline_chunks=pipeline_chunks))`.
     Every rank calls it on the same full model (a collective). With mode="all_to_all" each rank
     then runs its own batch; with mode="replicated" every rank must run the same batch.
     Returns the model; a model sharded already is returned as it is. One-way:
@@ -27,5 +29,6 @@ def shard_experts(model: torch.nn.Module, group=None, *, mode: str = "all_to_all
     are sharded)."""
     if is_expert_parallel(model):
         return model
-    config = ExpertParallelConfig(group=group, mode=mode, sync_free=sync_free, capacity=capacity)
+    config = ExpertParallelConfig(group=group, mode=mode, sync_free=sync_free, capacity=capacity,
+                                  pipeline_chunks=pipeline_chunks)
     return apply_moe_ops(model, expert_parallel_group=config)

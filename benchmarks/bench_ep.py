@@ -53,33 +53,32 @@ FIELDS = ["shape", "mode", "W", "rank", "T", "E_local", "rows_in", "a2a_us", "co
 
 
 def _timer(device):
-    if device.type == "cuda":
-        def run(fn, iters, warmup):
-            for _ in range(warmup):
-                fn()
-            times = []
-            for _ in range(iters):
-                dist.barrier()
-                torch.cuda.synchronize()
-                a = torch.cuda.Event(enable_timing=True)
-                b = torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3)
-            return statistics.median(times)
-    else:
-        def run(fn, iters, warmup):
-            for _ in range(warmup):
-                fn()
-            times = []
-            for _ in range(iters):
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e6)
-            return statistics.median(times)
+    """run(fn, iters, warmup) -> median us per call, every repetition after a barrier: CUDA events
+    on a GPU, the host clock on the CPU."""
+    cuda = device.type == "cuda"
+
+    def once(fn):
+        if cuda:
+            torch.cuda.synchronize()
+            a = torch.cuda.Event(enable_timing=True)
+            b = torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) * 1e3
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+
+    def run(fn, iters, warmup):
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            dist.barrier()
+            times.append(once(fn))
+        return statistics.median(times)
     return run
 
 

@@ -140,14 +140,8 @@ def test_logits_match(name):
     assert rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.skipif(torch.cuda.is_available(),
-                    reason="CPU-only check: with triton 3.6 on a CUDA machine, an interpreted launch "
-                           "fails and breaks the CUDA launches after it in the process")
-@needs_interpreter
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
-def test_logits_match_triton_interpreter(name, monkeypatch):
-    """The same through the Triton kernels (run by Triton's interpreter on CPU)."""
-    model = make_model(name)
+def _assert_interpreted_logits_match(model, monkeypatch):
+    """apply_moe_ops(model) run through Triton's interpreter gives the unpatched model's logits."""
     ids = input_ids(batch=1, seq=6)
     with torch.no_grad():
         ref = model(ids).logits
@@ -155,6 +149,16 @@ def test_logits_match_triton_interpreter(name, monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         out = model(ids).logits
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CPU-only check: with triton 3.6 on a CUDA machine, an interpreted launch "
+                           "fails and breaks the CUDA launches after it in the process")
+@needs_interpreter
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+def test_logits_match_triton_interpreter(name, monkeypatch):
+    """The same through the Triton kernels (run by Triton's interpreter on CPU)."""
+    _assert_interpreted_logits_match(make_model(name), monkeypatch)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -1102,10 +1106,4 @@ def test_gpt_oss_triton_interpreter(monkeypatch):
     kernels, run by Triton's interpreter on CPU."""
     model = _randomise_biases(_gpt_oss())
     model.set_experts_implementation("eager")
-    ids = input_ids(batch=1, seq=6)
-    with torch.no_grad():
-        ref = model(ids).logits
-        apply_moe_ops(model)
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        out = model(ids).logits
-    assert rel_err(out, ref) < 1e-5
+    _assert_interpreted_logits_match(model, monkeypatch)

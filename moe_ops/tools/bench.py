@@ -174,7 +174,7 @@ def start_run(device: torch.device, opts, cpu_note: str):
 
 
 def kernel_times_us(fn: Callable[[], object], n: int = 3, name_len: int = 28) -> dict[str, float]:
-    """Device time per call of each CUDA kernel `fn` launches (also inside a CUDA-graph replay),
+    """GPU time per call of each CUDA kernel `fn` launches (also inside a CUDA-graph replay),
     in microseconds, from torch.profiler over n calls; largest first."""
     import collections
 

@@ -619,3 +619,49 @@ def test_mxfp4_dot_scaled_path(interpreter):
     assert rel_err(out, ref) < 3e-3      # float16 intermediates (act, y, out)
     plain = dispatch_quantized(*args, **kw, **more)
     assert rel_err(out, plain.double()) < 3e-3
+
+
+# ---------------------------------------------------------------- config paths
+
+def test_fp8_prequantized_hidden_is_the_fused_arithmetic(interpreter, monkeypatch):
+    """hidden quantized once per token (QuantDispatchConfig.prequantize_hidden) gives what the
+    gate+up gather's own quantization gives, bit for bit; with weights_on_input (rows scaled per
+    slot before quantizing) the option is not taken and the result stays exact too."""
+    import dataclasses
+
+    import moe_ops.launch.quant as lq
+
+    launched = []
+    real = lq.kernel_for
+    monkeypatch.setattr(lq, "kernel_for", lambda k, d: launched.append(k) or real(k, d))
+    args, kw = fp8_inputs(13, 64, 32, 4, 2, (16, 32), routing="negative")
+    h = args[0]
+    base = lq.quant_dispatch_config(13, 4, 2, 64, 32, "fp8", 32, "cpu", quant_a=True)
+    for extra, taken in (({}, True), ({"weights_on_input": True}, False)):
+        fused = dispatch_quantized(*args, **kw, **extra, config=base, out=_poisoned(h))
+        launched.clear()
+        pre = dispatch_quantized(*args, **kw, **extra,
+                                 config=dataclasses.replace(base, prequantize_hidden=True),
+                                 out=_poisoned(h))
+        assert (lq.quantize_groups_kernel in launched) == taken
+        assert torch.isfinite(pre).all()
+        assert torch.equal(pre, fused)
+
+
+def test_fp8_scalar_weight_scale(interpreter):
+    """Tiles inside one [bn, bk] scale block read one scalar scale per K step (the default
+    where the layout allows it); the per-column form agrees to float32 rounding."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+
+    args, kw = fp8_inputs(9, 64, 64, 4, 2, (64, 32))
+    h = args[0]
+    base = quant_dispatch_config(9, 4, 2, 64, 64, "fp8", 32, "cpu", quant_a=True)
+    assert base.scalar_weight_scale and 64 % base.block_n1 == 0 and 64 % base.block_n2 == 0
+    scalar = dispatch_quantized(*args, **kw, config=base, out=_poisoned(h))
+    cols = dispatch_quantized(*args, **kw, config=dataclasses.replace(
+        base, scalar_weight_scale=False), out=_poisoned(h))
+    assert rel_err(scalar, cols.double()) < 1e-6
+    same_q, _ = _errors(scalar, args, kw)
+    assert same_q < 1e-4, same_q

@@ -249,3 +249,56 @@ def test_mxfp4_dot_scaled_matches(T):
     plain = dispatch_quantized(hidden, b13, b2, tw, ids, **kw)
     assert rel_err(out, plain.double()) <= 5e-3
     assert rel_err(out, quantized_dispatch_reference(hidden, b13, b2, tw, ids, **kw)) <= 1e-2
+
+
+@pytest.mark.parametrize("T", [1, 64, 700])
+def test_mxfp4_bit_decode_matches_arithmetic_decode(T):
+    """The bit-placement decode (QuantDispatchConfig.mxfp4_bit_decode, bf16 activations) gives
+    the arithmetic decode's values, so the same outputs bit for bit, including the e8m0 scales
+    that take the subnormal (0, 1, 2) and the two-factor (> 128) branches."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+
+    E, K, H, I = 8, 2, 512, 384
+    g = torch.Generator(device=DEV).manual_seed(300 + T)
+    b13, b2, s13, s2 = mxfp4_weights(E, H, I, g)
+    edges = torch.tensor([0, 1, 2, 126, 127, 128, 129, 131, 135], dtype=torch.uint8, device=DEV)
+    for s in (s13, s2):
+        pick = torch.rand(s.shape, device=DEV, generator=g) < 0.1
+        s[pick] = edges[torch.randint(0, len(edges), (int(pick.sum()),), device=DEV,
+                                      generator=g)]
+    hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+    tw, ids = _route(T, E, K, g)
+    kw = dict(w13_scale=s13, w2_scale=s2, activation="swiglu_oai", gate_up_interleaved=True)
+    cfg = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda")
+    outs = []
+    for bits in (True, False):
+        out = torch.full((T, H), float("nan"), device=DEV, dtype=torch.bfloat16)
+        dispatch_quantized(hidden, b13, b2, tw, ids, **kw, out=out, config=dataclasses.replace(
+            cfg, mxfp4_bit_decode=bits, mxfp4_dot_scaled=False))
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], quantized_dispatch_reference(hidden, b13, b2, tw, ids, **kw)) <= 1e-2
+
+
+@pytest.mark.parametrize("shape", ["deepseek_v3", "qwen3_30b_a3b"])
+def test_fp8_prequantized_hidden_matches(shape):
+    """hidden quantized once per token gives the fused gather's arithmetic bit for bit."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+
+    E, K, H, I = SHAPES[shape]
+    E = min(E, 16)
+    T = 300
+    g = torch.Generator(device=DEV).manual_seed(400)
+    q13, q2, s13, s2 = fp8_weights(E, H, I, g)
+    hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+    tw, ids = _route(T, E, K, g)
+    kw = dict(w13_scale=s13, w2_scale=s2, block_shape=[128, 128])
+    cfg = quant_dispatch_config(T, E, K, H, I, "fp8", 128, "cuda", quant_a=True)
+    a, b = (dispatch_quantized(hidden, q13, q2, tw, ids, **kw, config=dataclasses.replace(
+        cfg, prequantize_hidden=p)) for p in (True, False))
+    assert torch.isfinite(a).all() and torch.equal(a, b)

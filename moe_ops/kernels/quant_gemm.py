@@ -115,6 +115,30 @@ def e8m0_decode(s):
 
 
 @triton.jit
+def mxfp4_tile_bits(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl.constexpr):
+    """[BN, BLOCK_K] bf16 values of packed e2m1 bytes p [BN, BLOCK_K // 2] (low nibble first) and
+    their e8m0 scale bytes sc [BN, BLOCK_K // 32], by bit placement (GPU, bfloat16 operands):
+    the code's exponent and mantissa bits placed at bf16's lowest exponent bits give the value
+    times 2^-126 (code 1, 0.5, lands on the subnormal 2^-127: exact), and the multiplication by
+    2^126 * 2^(s - 127) = 2^(s - 1), split in two factors that bf16 can hold (2^(min(s, 128) - 1)
+    and 2^(max(s, 128) - 128)), rounds nothing (s == 255: inf). Six integer operations and two multiplications
+    per pair of values instead of the arithmetic decode's float32 detour."""
+    p16 = p.to(tl.int16)
+    lo = ((p16 & 7) << 6) | ((p16 & 8) << 12)
+    hi = ((p16 & 0x70) << 2) | ((p16 & 0x80) << 8)
+    v = tl.reshape(tl.join(lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)),
+                   (BN, BLOCK_K // 32, 32))
+    s16 = sc.to(tl.int16)
+    f1 = ((tl.minimum(s16, 128) + 126) << 7).to(tl.bfloat16, bitcast=True)
+    # s == 255 scales to inf (0 * inf = NaN), as e8m0_decode and the reference do
+    f2 = tl.where(s16 == 255, 0x7F80, (tl.maximum(s16, 128) - 1) << 7).to(tl.int16)
+    f2 = f2.to(tl.bfloat16, bitcast=True)
+    v = v * f1[:, :, None]
+    v = v * f2[:, :, None]
+    return tl.reshape(v, (BN, BLOCK_K)).to(OP_DTYPE)
+
+
+@triton.jit
 def quantize_rows(a, EMULATE: tl.constexpr):
     """(q, scale) of a float32 [M, BLOCK_K] tile quantized per row (one bk group): amax over
     the row (at least ACT_AMAX_FLOOR), q = e4m3(a * (448 / amax)) (fp8, or its float32 value
@@ -134,18 +158,24 @@ def quantize_rows(a, EMULATE: tl.constexpr):
 @triton.jit
 def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl.constexpr,
                 WFMT: tl.constexpr, QUANT_A: tl.constexpr, EMULATE: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+                BLOCK_K: tl.constexpr, SCALAR_SCALE: tl.constexpr = False,
+                BIT_DECODE: tl.constexpr = False):
     """(b [BLOCK_K, BLOCK_N], per-column scale [BLOCK_N] float32) of reduction columns
     k0..k0+BLOCK_K of the weight rows starting at the pointers `w_rows` (masked by wmask), whose
     scales start at `s_rows` (FP8: the row's [bn, bk] block row; MXFP4: the row's scales). FP8:
-    b is the fp8 tile (QUANT_A) or its exact conversion to OP_DTYPE, the scale the block's;
-    MXFP4: b the decoded tile in OP_DTYPE (scales applied), the column scale 1."""
+    b is the fp8 tile (QUANT_A) or its exact conversion to OP_DTYPE, the scale the block's
+    (SCALAR_SCALE: every row of the tile is in one block row, `s_rows` is that row's scalar
+    pointer and the scale a scalar); MXFP4: b the decoded tile in OP_DTYPE (scales applied;
+    BIT_DECODE: by mxfp4_tile_bits), the column scale 1."""
     if WFMT == 1:
         offs_k = tl.arange(0, BLOCK_K)
         k_mask = offs_k < K - k0
         b = tl.load(w_rows[None, :] + (k0 + offs_k)[:, None] * stride_wk,
                     mask=k_mask[:, None] & wmask[None, :], other=0.0)
-        scale = tl.load(s_rows + (k0 // BLOCK_K) * stride_sk, mask=wmask, other=0.0)
+        if SCALAR_SCALE:
+            scale = tl.load(s_rows + (k0 // BLOCK_K) * stride_sk)
+        else:
+            scale = tl.load(s_rows + (k0 // BLOCK_K) * stride_sk, mask=wmask, other=0.0)
         if EMULATE:
             b = e4m3_decode(b)
         elif not QUANT_A:
@@ -156,15 +186,19 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
         offs_p = tl.arange(0, BLOCK_K // 2)
         p_mask = offs_p < (K - k0) // 2
         p = tl.load(w_rows[:, None] + (k0 // 2 + offs_p)[None, :] * stride_wk,
-                    mask=wmask[:, None] & p_mask[None, :], other=0).to(tl.int32)
-        v = tl.reshape(tl.join(e2m1_decode(p & 15), e2m1_decode(p >> 4)), (BN, BLOCK_K))
+                    mask=wmask[:, None] & p_mask[None, :], other=0)
         offs_g = tl.arange(0, BLOCK_K // 32)
         g_mask = offs_g < (K - k0) // 32
         sc = tl.load(s_rows[:, None] + (k0 // 32 + offs_g)[None, :] * stride_sk,
                      mask=wmask[:, None] & g_mask[None, :], other=0)
-        v = tl.reshape(tl.reshape(v, (BN, BLOCK_K // 32, 32)) * e8m0_decode(sc)[:, :, None],
-                       (BN, BLOCK_K))
-        b = tl.trans(v.to(OP_DTYPE))
+        if BIT_DECODE:
+            b = tl.trans(mxfp4_tile_bits(p, sc, BN, BLOCK_K, OP_DTYPE))
+        else:
+            p = p.to(tl.int32)
+            v = tl.reshape(tl.join(e2m1_decode(p & 15), e2m1_decode(p >> 4)), (BN, BLOCK_K))
+            v = tl.reshape(tl.reshape(v, (BN, BLOCK_K // 32, 32)) * e8m0_decode(sc)[:, :, None],
+                           (BN, BLOCK_K))
+            b = tl.trans(v.to(OP_DTYPE))
         scale = tl.full((BN,), 1.0, tl.float32)
     else:
         # WFMT 3 (MXFP4 through tl.dot_scaled): the packed tile as it is, [BLOCK_K // 2, BN]
@@ -182,12 +216,18 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
 
 @triton.jit
 def mma_step(acc, a, a_scale, b, b_scale, WFMT: tl.constexpr, QUANT_A: tl.constexpr,
-             DOT_PRECISION: tl.constexpr):
-    """acc + this K step's product (see the module docstring for each format). (One return:
-    code after a return under a compile-time `if` is still compiled.)"""
+             DOT_PRECISION: tl.constexpr, SCALAR_SCALE: tl.constexpr = False):
+    """acc + this K step's product (see the module docstring for each format; SCALAR_SCALE: the
+    FP8 weight scale is one scalar for the tile, so the promotion is one multiply-add per
+    element). (One return: code after a return under a compile-time `if` is still compiled.)"""
     if WFMT == 1:
         part = tl.dot(a, b, input_precision=DOT_PRECISION, out_dtype=tl.float32)
-        if QUANT_A:
+        if SCALAR_SCALE:
+            if QUANT_A:
+                acc = acc + part * (a_scale * b_scale)[:, None]
+            else:
+                acc = acc + part * b_scale
+        elif QUANT_A:
             acc = acc + part * a_scale[:, None] * b_scale[None, :]
         else:
             acc = acc + part * b_scale[None, :]
@@ -235,13 +275,17 @@ def quant_gate_up_kernel(
     n_slots, H, I, top_k, n_row_blocks, scale_bn, alpha, limit,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_tw_t, stride_tw_k, stride_am, act_scale_ptr, stride_as,
-    ids_ptr, stride_ik, n_experts,
+    ids_ptr, stride_ik, n_experts, xs_ptr, stride_xs,
     WFMT: tl.constexpr, QUANT_A: tl.constexpr, ACTIVATION: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTS_ON_INPUT: tl.constexpr,
     EMULATE: tl.constexpr, OP_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, A_PREQUANT: tl.constexpr = False, SCALAR_SCALE: tl.constexpr = False,
+    BIT_DECODE: tl.constexpr = False,
 ):
+    """A_PREQUANT (W8A8): x_ptr is hidden already quantized per token and bk columns by
+    quantize_groups_kernel (e4m3, scales at xs_ptr [T, H / bk]): the same values load_a would
+    compute, once per token instead of once per program."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -267,7 +311,10 @@ def quant_gate_up_kernel(
     w_e = w_ptr + e * stride_we
     s_e = s_ptr + e * stride_se
     g_w, u_w = w_e + g_rows * stride_wn, w_e + u_rows * stride_wn
-    if WFMT == 1:   # the scale row of each weight row: its [bn, bk] block's
+    if SCALAR_SCALE:   # the tile's gate rows are in one [bn, bk] block row, its up rows too
+        n0 = pid_n * BLOCK_N
+        g_s, u_s = s_e + (n0 // scale_bn) * stride_sn, s_e + ((I + n0) // scale_bn) * stride_sn
+    elif WFMT == 1:   # the scale row of each weight row: its [bn, bk] block's
         g_s, u_s = s_e + (g_rows // scale_bn) * stride_sn, s_e + (u_rows // scale_bn) * stride_sn
     else:
         g_s, u_s = s_e + g_rows * stride_sn, s_e + u_rows * stride_sn
@@ -275,14 +322,19 @@ def quant_gate_up_kernel(
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
-        a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A, WEIGHTS_ON_INPUT, OP_DTYPE,
-                            EMULATE)
+        if A_PREQUANT:
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+            a_scale = tl.load(xs_ptr + tok * stride_xs + k0 // BLOCK_K, mask=row_valid,
+                              other=0.0)
+        else:
+            a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A, WEIGHTS_ON_INPUT,
+                                OP_DTYPE, EMULATE)
         bg, sg = weight_tile(g_w, g_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                             QUANT_A, EMULATE, BLOCK_K)
-        acc_g = mma_step(acc_g, a, a_scale, bg, sg, WFMT, QUANT_A, DOT_PRECISION)
+                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE)
+        acc_g = mma_step(acc_g, a, a_scale, bg, sg, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE)
         bu, su = weight_tile(u_w, u_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                             QUANT_A, EMULATE, BLOCK_K)
-        acc_u = mma_step(acc_u, a, a_scale, bu, su, WFMT, QUANT_A, DOT_PRECISION)
+                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE)
+        acc_u = mma_step(acc_u, a, a_scale, bu, su, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE)
         a_ptrs += BLOCK_K * stride_xh
     if HAS_BIAS:
         b_base = bias_ptr + e * stride_be
@@ -310,6 +362,7 @@ def quant_down_kernel(
     HAS_WEIGHTS: tl.constexpr, EMULATE: tl.constexpr, OP_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DIRECT: tl.constexpr,
+    SCALAR_SCALE: tl.constexpr = False, BIT_DECODE: tl.constexpr = False,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, H, BLOCK_N, GROUP_M)
     if not DIRECT:
@@ -325,7 +378,9 @@ def quant_down_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     tw = tl.zeros((BLOCK_M,), tl.float32)
     w_n = w_ptr + e * stride_we + offs_n64 * stride_wn
-    if WFMT == 1:
+    if SCALAR_SCALE:   # the tile's rows are in one [bn, bk] block row
+        s_n = s_ptr + e * stride_se + ((pid_n * BLOCK_N) // scale_bn) * stride_sn
+    elif WFMT == 1:
         s_n = s_ptr + e * stride_se + (offs_n64 // scale_bn) * stride_sn
     else:
         s_n = s_ptr + e * stride_se + offs_n64 * stride_sn
@@ -338,8 +393,8 @@ def quant_down_kernel(
         else:
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, False, False, OP_DTYPE, EMULATE)
         b, sb = weight_tile(w_n, s_n, n_mask, k0, I, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                            QUANT_A, EMULATE, BLOCK_K)
-        acc = mma_step(acc, a, a_scale, b, sb, WFMT, QUANT_A, DOT_PRECISION)
+                            QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE)
+        acc = mma_step(acc, a, a_scale, b, sb, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE)
         a_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * stride_be + offs_n64 * stride_bn, mask=n_mask,
@@ -350,3 +405,23 @@ def quant_down_kernel(
         acc = acc * tw[:, None]
     tl.store(y_ptr + slots[:, None] * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, stride_xh, stride_qt, stride_st,
+                           EMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """hidden quantized per token and BLOCK_K (= bk) columns, once, for the W8A8 gate+up GEMM
+    at large T: q [T, H] e4m3 (its float32 value under EMULATE) and s [T, cdiv(H, bk)] float32,
+    by load_a's and quantize_rows' arithmetic (so the GEMM computes what it would compute
+    quantizing in its gather). Grid (cdiv(T, BLOCK_T), cdiv(H, BLOCK_K))."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    r_mask = rows < T
+    mask = r_mask[:, None] & (cols < H)[None, :]
+    rows64 = rows.to(tl.int64)
+    a = tl.load(x_ptr + rows64[:, None] * stride_xt + cols[None, :] * stride_xh, mask=mask,
+                other=0.0)
+    q, scale = quantize_rows(a.to(tl.float32), EMULATE)
+    tl.store(q_ptr + rows64[:, None] * stride_qt + cols[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(s_ptr + rows64 * stride_st + tl.program_id(1), scale, mask=r_mask)

@@ -9,13 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton.language as tl  # noqa: F401
+import triton.language as tl
 
 from moe_ops import _features
-
 from moe_ops._runtime import cdiv, next_pow2
+from moe_ops.kernels.quant_gemm import (
+    quant_down_kernel,
+    quant_gate_up_kernel,
+    quantize_groups_kernel,
+)
 from moe_ops.launch._common import kernel_for
-from moe_ops.kernels.quant_gemm import quant_down_kernel, quant_gate_up_kernel
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import DirectRows, combine_triton
 from moe_ops.ops.quant_checks import ACTIVATIONS, check_quantized_dispatch
@@ -38,6 +41,15 @@ class QuantDispatchConfig:
     # MXFP4 through tl.dot_scaled instead of the kernels' own decode (bf16/fp16 activations,
     # where has_dot_scaled()); off by default until measured on the H200
     mxfp4_dot_scaled: bool = False
+    # MXFP4 decoded by bit placement (quant_gemm.mxfp4_tile_bits; GPU, bfloat16 activations)
+    mxfp4_bit_decode: bool = True
+    # FP8: one scalar weight scale per K step when every row of a tile is in one [bn, bk] block
+    # row (gate+up: bn and I multiples of block_n1, not interleaved; down: bn a multiple of
+    # block_n2)
+    scalar_weight_scale: bool = True
+    # W8A8: hidden quantized once per token (quantize_groups_kernel) instead of in every gate+up
+    # program's gather (not with weights_on_input, whose rows are scaled per slot first)
+    prequantize_hidden: bool = False
 
 
 def has_dot_scaled() -> bool:
@@ -139,20 +151,34 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     b2 = w2_bias if w2_bias is not None else act
     # direct rows: every slot walks the column tiles together (their weight tiles differ)
     group_m = max(cfg.group_m, next_pow2(n_blocks)) if direct else cfg.group_m
+    bit_decode = (wfmt == 2 and cfg.mxfp4_bit_decode and not emulate
+                  and op_dtype == tl.bfloat16)
     common = dict(WFMT=wfmt, QUANT_A=quant_a, EMULATE=emulate, OP_DTYPE=op_dtype,
                   DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
                   GROUP_M=group_m, DIRECT=direct, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
+                  num_stages=cfg.num_stages, BIT_DECODE=bit_decode)
+    scalar13 = (fmt == "fp8" and cfg.scalar_weight_scale and not gate_up_interleaved
+                and bn % cfg.block_n1 == 0 and I % cfg.block_n1 == 0)
+    scalar2 = fmt == "fp8" and cfg.scalar_weight_scale and bn % cfg.block_n2 == 0
+    x, xs = hidden, act_scale
+    prequant = quant_a and cfg.prequantize_hidden and not weights_on_input
+    if prequant:   # e4m3 hidden (float32 values in the interpreter) and its group scales
+        x = torch.empty(T, H, device=dev, dtype=torch.float32 if emulate else torch.float8_e4m3fn)
+        xs = torch.empty(T, cdiv(H, bk), dtype=torch.float32, device=dev)
+        block_t = 16 if emulate else 32
+        kernel_for(quantize_groups_kernel, dev)[(cdiv(T, block_t), cdiv(H, bk))](
+            hidden, x, xs, T, H, hidden.stride(0), hidden.stride(1), x.stride(0), xs.stride(0),
+            EMULATE=emulate, BLOCK_T=block_t, BLOCK_K=bk, num_warps=4)
     kernel_for(quant_gate_up_kernel, dev)[(n_blocks * cdiv(I, cfg.block_n1),)](
-        hidden, w13_k, w13_scale, b13, topk_weights, act, al.sorted_slots, al.block_expert,
+        x, w13_k, w13_scale, b13, topk_weights, act, al.sorted_slots, al.block_expert,
         al.num_rows, n_slots, H, I, K, n_blocks, bn, float(alpha), float(limit),
-        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
         b13.stride(0), b13.stride(1), topk_weights.stride(0), topk_weights.stride(1),
-        act.stride(0), act_scale, act_scale.stride(0), *rows_args.values(),
+        act.stride(0), act_scale, act_scale.stride(0), *rows_args.values(), xs, xs.stride(0),
         ACTIVATION=ACTIVATIONS.index(activation), INTERLEAVED=bool(gate_up_interleaved),
         HAS_BIAS=w13_bias is not None, WEIGHTS_ON_INPUT=bool(weights_on_input),
-        BLOCK_N=cfg.block_n1, **common,
+        BLOCK_N=cfg.block_n1, A_PREQUANT=prequant, SCALAR_SCALE=scalar13, **common,
     )
     kernel_for(quant_down_kernel, dev)[(n_blocks * cdiv(H, cfg.block_n2),)](
         act, w2_k, w2_scale, b2, topk_weights, y, al.sorted_slots, al.block_expert, al.num_rows,
@@ -162,7 +188,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         b2.stride(0), b2.stride(1), topk_weights.stride(0), topk_weights.stride(1), y.stride(0),
         act_scale, act_scale.stride(0), *rows_args.values(),
         HAS_BIAS=w2_bias is not None, HAS_WEIGHTS=not weights_on_input,
-        BLOCK_N=cfg.block_n2, **common,
+        BLOCK_N=cfg.block_n2, SCALAR_SCALE=scalar2, **common,
     )
     if inter != out.dtype:
         out32 = torch.empty(T, H, dtype=inter, device=dev)

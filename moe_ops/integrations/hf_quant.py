@@ -19,9 +19,37 @@ from __future__ import annotations
 
 import torch
 
-from moe_ops.integrations.huggingface import UnsupportedModelError
+from moe_ops.integrations._hf_layouts import UnsupportedModelError
 
 FP8_IMPLEMENTATION = "moe_ops"
+
+
+def fp8_experts_interface():
+    """transformers' FP8 experts interface (ALL_FP8_EXPERTS_FUNCTIONS), or None."""
+    try:
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+    except ImportError:
+        return None
+    return ALL_FP8_EXPERTS_FUNCTIONS
+
+
+def is_fp8_experts(module) -> bool:
+    """A transformers FineGrainedFP8 experts module (`FP8Experts`, as replace_with_fp8_linear
+    installs it for every `.experts` module of a quantized model)."""
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8Experts
+    except ImportError:
+        return False
+    return isinstance(module, FP8Experts)
+
+
+def num_experts(module) -> int:
+    """Expert count of a quantized experts module (FP8Experts or attach_mxfp4's)."""
+    packed = getattr(module, "moe_ops_mxfp4", None)
+    if packed is not None:
+        return int(packed[0].shape[0])
+    w = getattr(module, "gate_up_proj", None)
+    return int(w.shape[0]) if w is not None else int(module.num_experts)
 
 
 def fp8_dispatch_kwargs(experts) -> dict:
@@ -144,8 +172,8 @@ def patch_quantized_experts(model) -> int:
     forward replaced on the instance by `fp8_experts_forward`; transformers' routers stay as
     they are), after checking each one (UnsupportedModelError names what is not covered), and
     every experts module that `attach_mxfp4` gave raw MXFP4 tensors through
-    `mxfp4_experts_forward`. Returns the number of modules patched. (apply_moe_ops refuses
-    quantized experts until huggingface.py takes this hook: see the module docstring.)"""
+    `mxfp4_experts_forward`. Returns the number of modules patched. (`apply_moe_ops(model)`
+    patches the same modules, and the routers with them.)"""
     import types
 
     try:

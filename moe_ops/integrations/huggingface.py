@@ -39,7 +39,7 @@ import torch
 
 import moe_ops.ops  # noqa: F401  (registers torch.ops.moe.*)
 
-from . import _hf_routers
+from . import _hf_routers, hf_quant
 from ._hf_layouts import ExpertsLayout, UnsupportedModelError, experts_layout
 from ._hf_routers import ROUTER_FUNCTIONS, router_forward_for
 
@@ -190,8 +190,25 @@ def _is_llama4_block(module) -> bool:
     return cls.__name__ == _LLAMA4_BLOCK[1] and cls.__module__.startswith("transformers.models.llama4")
 
 
+def _quantized_experts_forward(module, where: str | None = None):
+    """The moe_ops forward of a quantized experts module (transformers' FineGrainedFP8
+    `FP8Experts`, or experts given raw MXFP4 tensors by `hf_quant.attach_mxfp4`), checked; None
+    for any other module. Raises UnsupportedModelError naming the module for an FP8 variant
+    moe.dispatch does not compute."""
+    if getattr(module, "moe_ops_mxfp4", None) is not None:
+        return hf_quant.mxfp4_experts_forward
+    if not hf_quant.is_fp8_experts(module):
+        return None
+    try:
+        hf_quant.fp8_dispatch_kwargs(module)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{e} ({where})" if where else str(e)) from None
+    return hf_quant.fp8_experts_forward
+
+
 # The functions apply_moe_ops(model) installs (as functools.partial(fn, module)).
-_PATCH_FUNCTIONS = frozenset([_patched_experts_forward, _llama4_moe_forward, *ROUTER_FUNCTIONS])
+_PATCH_FUNCTIONS = frozenset([_patched_experts_forward, _llama4_moe_forward, *ROUTER_FUNCTIONS,
+                              hf_quant.fp8_experts_forward, hf_quant.mxfp4_experts_forward])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,9 +312,15 @@ def _plan(model):
             continue
         if id(module) in seen:
             continue
-        if type(module).__name__ == "DbrxExperts" or _is_decorated_experts(module):
-            layout = experts_layout(module, where)
-            plan.append((module, _forward_attr(module, where), _patched_experts_forward))
+        quantized_fn = _quantized_experts_forward(module, where)
+        if quantized_fn is not None or type(module).__name__ == "DbrxExperts" \
+                or _is_decorated_experts(module):
+            if quantized_fn is not None:
+                num_experts = hf_quant.num_experts(module)
+                plan.append((module, _forward_attr(module, where), quantized_fn))
+            else:
+                num_experts = experts_layout(module, where).w13.shape[0]
+                plan.append((module, _forward_attr(module, where), _patched_experts_forward))
             parent = parents.get(id(module))
             if parent is None:
                 continue
@@ -307,10 +330,10 @@ def _plan(model):
                 if not isinstance(router, torch.nn.Module) or router_forward_for(router) is None:
                     continue
                 rwhere = f"{block_where}.{attr}" if block_where else attr
-                if router.weight.shape[0] != layout.w13.shape[0]:
+                if router.weight.shape[0] != num_experts:
                     raise UnsupportedModelError(
                         f"moe_ops: {where}: the router {rwhere} scores {router.weight.shape[0]} "
-                        f"experts but the experts module holds {layout.w13.shape[0]} (expert "
+                        f"experts but the experts module holds {num_experts} (expert "
                         "parallelism is not covered by apply_moe_ops; use "
                         "set_experts_implementation('moe_ops')).")
                 _hf_routers.prepare(type(router), _hf_routers.original_forward(router))
@@ -411,10 +434,25 @@ def _class_route_experts(chosen_fn, impl, self, *args, **kwargs):
     return _dispatch_experts(self, *args, layout=layout, **kwargs)
 
 
-def _wrap_get_interface(orig):
+def _class_route_fp8_experts(chosen_fn, impl, self, *args, **kwargs):
+    # transformers' FP8 experts interface: the same rule as _class_route_experts
+    if impl == EXPERTS_IMPLEMENTATION or isinstance(impl, _ChosenImplementation):
+        return chosen_fn(self, *args, **kwargs)
+    try:
+        hf_quant.fp8_dispatch_kwargs(self)
+    except UnsupportedModelError as e:
+        if type(self) not in _FELL_BACK:
+            _FELL_BACK.add(type(self))
+            warnings.warn(f"{e} apply_moe_ops() leaves these experts to transformers' "
+                          f"{impl or 'eager'} implementation.", stacklevel=2)
+        return chosen_fn(self, *args, **kwargs)
+    return hf_quant.fp8_experts_forward(self, *args, **kwargs)
+
+
+def _wrap_get_interface(orig, route=_class_route_experts):
     def get_interface(experts_implementation, default):
         chosen_fn = orig(experts_implementation, default)
-        return functools.partial(_class_route_experts, chosen_fn, experts_implementation)
+        return functools.partial(route, chosen_fn, experts_implementation)
     return get_interface
 
 
@@ -461,6 +499,11 @@ def _patch_experts_classes() -> bool:
         return False
     register_experts_interface()
     _patch_attr(interface, "get_interface", _wrap_get_interface(interface.get_interface))
+    fp8_interface = hf_quant.fp8_experts_interface()
+    if fp8_interface is not None and hasattr(fp8_interface, "get_interface"):
+        hf_quant.register_fp8_experts_interface()
+        _patch_attr(fp8_interface, "get_interface",
+                    _wrap_get_interface(fp8_interface.get_interface, _class_route_fp8_experts))
     if hasattr(PreTrainedModel, "set_experts_implementation"):
         _patch_attr(PreTrainedModel, "set_experts_implementation",
                     _wrap_set_experts_implementation(PreTrainedModel.set_experts_implementation))

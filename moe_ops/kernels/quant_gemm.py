@@ -124,12 +124,14 @@ def mxfp4_tile_bits(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl
     and 2^(max(s, 128) - 128)), rounds nothing (s == 255: inf). Six integer operations and two multiplications
     per pair of values instead of the arithmetic decode's float32 detour."""
     p16 = p.to(tl.int16)
-    lo = ((p16 & 7) << 6) | ((p16 & 8) << 12)
-    hi = ((p16 & 0x70) << 2) | ((p16 & 0x80) << 8)
+    # Triton promotes int16 op Python-int to int32: every value is cut back to 16 bits before
+    # the bitcast (the truncation keeps the bit pattern, sign bit included)
+    lo = (((p16 & 7) << 6) | ((p16 & 8) << 12)).to(tl.int16)
+    hi = (((p16 & 0x70) << 2) | ((p16 & 0x80) << 8)).to(tl.int16)
     v = tl.reshape(tl.join(lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)),
                    (BN, BLOCK_K // 32, 32))
     s16 = sc.to(tl.int16)
-    f1 = ((tl.minimum(s16, 128) + 126) << 7).to(tl.bfloat16, bitcast=True)
+    f1 = ((tl.minimum(s16, 128) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
     # s == 255 scales to inf (0 * inf = NaN), as e8m0_decode and the reference do
     f2 = tl.where(s16 == 255, 0x7F80, (tl.maximum(s16, 128) - 1) << 7).to(tl.int16)
     f2 = f2.to(tl.bfloat16, bitcast=True)

@@ -39,7 +39,7 @@ class QuantDispatchConfig:
     num_warps: int = 4
     num_stages: int = 3
     # MXFP4 through tl.dot_scaled instead of the kernels' own decode (bf16/fp16 activations,
-    # where has_dot_scaled()); off by default until measured on the H200
+    # where has_dot_scaled()); off: 0.59-0.86x of the bit-placement decode on the H200 (design.md)
     mxfp4_dot_scaled: bool = False
     # MXFP4 decoded by bit placement (quant_gemm.mxfp4_tile_bits; GPU, bfloat16 activations)
     mxfp4_bit_decode: bool = True
@@ -48,8 +48,9 @@ class QuantDispatchConfig:
     # block_n2)
     scalar_weight_scale: bool = True
     # W8A8: hidden quantized once per token (quantize_groups_kernel) instead of in every gate+up
-    # program's gather (not with weights_on_input, whose rows are scaled per slot first)
-    prequantize_hidden: bool = False
+    # program's gather (not with weights_on_input, whose rows are scaled per slot first);
+    # 1.02-1.48x on the H200 (docs/design.md)
+    prequantize_hidden: bool = True
 
 
 def has_dot_scaled() -> bool:
@@ -75,7 +76,7 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
     return QuantDispatchConfig(block_m=block_m, block_n1=bk if quant_a else 64, block_n2=128,
                                block_k=block_k,
                                group_m=8, num_warps=4 if block_m < 64 else 8,
-                               num_stages=3 if fmt == "fp8" else 2)
+                               num_stages=3)
 
 
 def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="silu",

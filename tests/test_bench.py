@@ -200,6 +200,35 @@ def test_tiny_gpt_oss_shape_times_the_gpt_oss_peers(tmp_path):
     assert records[2]["status"] == "ok"   # expert_loop: plain torch, runs everywhere
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("args", [
+    ["--weights", "fp8", "--shapes", "qwen3_30b_a3b"],
+    ["--weights", "fp8-w8a16", "--shapes", "qwen3_30b_a3b"],
+    ["--weights", "mxfp4", "--shapes", "gpt_oss_20b"],
+    ["--shapes", "gpt_oss_20b"],
+], ids=["fp8", "fp8-w8a16", "mxfp4", "bf16-gpt-oss-peers"])
+def test_gpu_bench_real_shapes_check_and_time_everything(args, tmp_path):
+    """On the GPU at real shapes: every implementation passes its float64 check (W8A8 also the
+    W8A8 reference) and is timed, moe_ops also as a graph replay; only scaled_grouped_mm (a
+    torch without its kernel) and transformers' peers (not installed, or batched_mm over its
+    memory budget) may be n/a or skip."""
+    csv_path = tmp_path / "gpu.csv"
+    r = _run(args + ["--tokens", "1", "128", "--warmup-ms", "2", "--rep-ms", "10",
+                     "--csv", str(csv_path)])
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    _, records = _csv_records(csv_path)
+    assert records and not [d for d in records if d["status"] in ("FAIL", "ERR", "OOM")], \
+        r.stdout[-4000:]
+    for d in records:
+        if d["impl"] in ("moe_ops", "deq_moe_ops", "predequantized", "torch_grouped_mm",
+                         "expert_loop"):
+            assert d["status"] == "ok" and float(d["best_us"]) > 0, d
+        if d["impl"] == "moe_ops":
+            assert float(d["graph_us"]) > 0 and float(d["floor_fraction"]) > 0, d
+        if d["status"] != "ok":
+            assert d["note"] and d["best_us"] == "", d
+
+
 def test_tiny_plot_writes_png(tiny_run):
     if not HAS_MATPLOTLIB:
         pytest.skip("matplotlib not installed (pip install 'moe_ops[bench]'): --plot not run")

@@ -42,8 +42,11 @@ FORMATS = {
     "fp8-w8a16": QuantFormat("fp8-w8a16", "fp8", False, 2e-2, None, False),
     "mxfp4": QuantFormat("mxfp4", "mxfp4", False, 1e-2, None, False),
 }
-# Rowwise FP8 (weights requantized per output row, activations per token): W8A8's bound.
-SCALED_GROUPED_MM_TOL = 6e-2
+# Rowwise FP8: the block-scaled weights are rounded to e4m3 a second time (per output row) and
+# the activations per whole token, on top of what W8A8 rounds: an emulation in float64 at the
+# Qwen3-30B-A3B shape (E=16 of its experts, T=64) came out 6.3e-2 against float64, where the W8A8
+# reference is 4.4e-2. Its bound is therefore looser than moe_ops' 6e-2.
+SCALED_GROUPED_MM_TOL = 1e-1
 
 
 def random_quantized(E: int, H: int, I: int, fmt: str, device, g: torch.Generator):

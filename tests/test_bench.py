@@ -20,9 +20,10 @@ SHAPE = "qwen3_30b_a3b"
 TOKENS = [1, 8]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-CSV_HEADER = ["shape", "T", "impl", "status", "eager_us", "graph_us", "best_us", "best_how",
-              "rel_err", "graph_rel_err", "floor_us", "floor_fraction", "bytes", "flops",
-              "experts_hit", "max_over_mean_load", "route_eager_us", "route_graph_us", "note"]
+CSV_HEADER = ["shape", "weights", "T", "impl", "status", "eager_us", "graph_us", "best_us",
+              "best_how", "rel_err", "graph_rel_err", "w8a8_rel_err", "floor_us", "floor_fraction",
+              "bytes", "flops", "experts_hit", "max_over_mean_load", "route_eager_us",
+              "route_graph_us", "note"]
 
 
 def _run(args, code=None):
@@ -78,6 +79,7 @@ def test_tiny_csv_and_md(tiny_run):
     records = [dict(zip(CSV_HEADER, row)) for row in rows[1:]]
     assert [(d["shape"], int(d["T"]), d["impl"]) for d in records] == [
         (SHAPE, T, impl) for T in TOKENS for impl in bench.IMPLS]
+    assert {d["weights"] for d in records} == {"bf16"}
     for d in records:
         if d["impl"] == "moe_ops":
             assert d["status"] == "ok" and float(d["best_us"]) > 0, d
@@ -86,6 +88,145 @@ def test_tiny_csv_and_md(tiny_run):
         assert d["status"] != "FAIL", d
     md = (out / "bench.md").read_text()
     assert md.startswith("# moe_ops forward benchmark") and f"| {SHAPE} | 8 |" in md
+
+
+def _csv_records(path):
+    with open(path, newline="") as f:
+        rows = [row for row in csv.reader(f)]
+    env = {row[0][2:]: row[1] for row in rows if row[0].startswith("# ")}
+    rows = [row for row in rows if not row[0].startswith("# ")]
+    assert rows[0] == CSV_HEADER
+    return env, [dict(zip(CSV_HEADER, row)) for row in rows[1:]]
+
+
+@pytest.mark.parametrize("weights,shape", [("fp8", "qwen3_30b_a3b"), ("mxfp4", "gpt_oss_20b")])
+def test_tiny_quantized_weights_run_and_write_the_weights_column(weights, shape, tmp_path):
+    """--weights fp8 / mxfp4 on tiny shapes on the CPU: every quantized implementation checked
+    and timed (scaled_grouped_mm, which has no CPU kernel, n/a with its reason and no number),
+    the weights column filled, moe_ops W8A8 also checked against the W8A8 reference."""
+    csv_path = tmp_path / "q.csv"
+    r = _run(["--tiny", "--weights", weights, "--shapes", shape, "--tokens", "1", "8",
+              "--warmup-ms", "1", "--rep-ms", "5", "--csv", str(csv_path)])
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    env, records = _csv_records(csv_path)
+    assert "triton" in env and "ceilings" in env
+    assert ("fp8 torch._scaled_mm" in env["ceilings"]) == (weights == "fp8")
+    assert [(d["shape"], d["weights"], int(d["T"]), d["impl"]) for d in records] == [
+        (shape, weights, T, impl) for T in (1, 8) for impl in bench.QUANT_IMPLS]
+    for d in records:
+        assert d["status"] != "FAIL", d
+        if d["status"] == "ok":
+            assert float(d["best_us"]) > 0 and float(d["rel_err"]) < 6e-2, d
+            assert float(d["floor_fraction"]) == pytest.approx(
+                float(d["floor_us"]) / float(d["best_us"]), rel=1e-4)
+        else:
+            assert d["best_us"] == d["eager_us"] == d["rel_err"] == "" and d["note"], d
+        has_w8a8 = weights == "fp8" and d["impl"] == "moe_ops"
+        assert (d["w8a8_rel_err"] != "") == has_w8a8, d
+        if has_w8a8:
+            assert float(d["w8a8_rel_err"]) < 1e-2, d
+    by_impl = {d["impl"]: d for d in records if d["T"] == "8"}
+    for impl in ("moe_ops", "deq_moe_ops", "predequantized"):
+        assert by_impl[impl]["status"] == "ok", by_impl[impl]
+    if not __import__("torch").cuda.is_available():
+        sgmm = by_impl["scaled_grouped_mm"]
+        assert sgmm["status"] == "n/a" and sgmm["note"], sgmm
+    rows = _table_rows(r.stdout)
+    assert [(row[0], int(row[1])) for row in rows] == [(shape, 1), (shape, 8)]
+
+
+def test_quant_floor_counts_quantized_bytes():
+    s = bench.SHAPES["deepseek_v3_routed"]
+    fp8 = bench.qb.FORMATS["fp8"]
+    n_bytes, flops = bench.quant_floor_terms(s, 8, 50, 2, fp8)
+    scales = 4 * (2 * 2048 // 128 * 7168 // 128 + 7168 // 128 * 2048 // 128)
+    assert n_bytes == 50 * (3 * 7168 * 2048 + scales) + 2 * 8 * 7168 * 2
+    assert flops == 2 * 8 * 8 * 3 * 7168 * 2048
+    g = bench.SHAPES["gpt_oss_20b"]
+    n_bytes, _ = bench.quant_floor_terms(g, 1, 4, 2, bench.qb.FORMATS["mxfp4"])
+    assert n_bytes == 4 * (3 * 2880 * 2880 // 2 + 3 * 2880 * 2880 // 32) + 2 * 2880 * 2
+
+
+def test_run_impl_never_times_a_wrong_output():
+    """A wrong output (against the float64 reference, or moe_ops W8A8 against the W8A8
+    reference) is FAIL with no time; a right one is timed."""
+    import argparse
+
+    import torch
+
+    class CountingTimer(bench.Timer):
+        calls = 0
+
+        def __call__(self, fn):
+            CountingTimer.calls += 1
+            return 1.0
+
+    timer = CountingTimer(torch.device("cpu"), 1.0, 1.0)
+    ref = torch.randn(4, 8, dtype=torch.float64)
+    opts = argparse.Namespace(max_call_ms=1e9)
+    s = bench.SHAPES["olmoe"]
+
+    def run(out, w8a8_ref=None):
+        b = bench.bl.Baseline("x", lambda: out, capturable=False)
+        return bench.run_impl("x", b, lambda _b: (), ref, 2e-2, timer, False, opts, s, 4, None,
+                              w8a8_ref=w8a8_ref)
+
+    r = run((ref * 1.5).float())
+    assert r.status == "FAIL" and r.best_us is None and "not timed" in r.note
+    r = run(ref.float(), w8a8_ref=(ref * 1.5, 1e-2))
+    assert r.status == "FAIL" and r.best_us is None and r.w8a8_rel_err == pytest.approx(1 / 3)
+    assert CountingTimer.calls == 0
+    r = run(ref.float(), w8a8_ref=(ref, 1e-2))
+    assert r.status == "ok" and r.eager_us == 1000.0 and r.w8a8_rel_err < 1e-6
+    assert CountingTimer.calls == 1
+
+
+def test_tiny_gpt_oss_shape_times_the_gpt_oss_peers(tmp_path):
+    """The bench's gpt_oss_20b rows run the gpt-oss peers (no longer n/a), checked against the
+    float64 reference of gpt-oss's experts."""
+    csv_path = tmp_path / "g.csv"
+    impls = ["moe_ops", "torch_grouped_mm", "expert_loop", "hf_grouped_mm"]
+    r = _run(["--tiny", "--shapes", "gpt_oss_20b", "--tokens", "8", "--impls", *impls,
+              "--warmup-ms", "1", "--rep-ms", "5", "--csv", str(csv_path)])
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    _, records = _csv_records(csv_path)
+    assert [d["impl"] for d in records] == impls
+    for d in records:
+        assert d["status"] in ("ok", "n/a"), d
+        if d["status"] == "n/a":
+            assert "Mixtral" not in d["note"], d
+        else:
+            assert float(d["rel_err"]) < 2e-2, d
+    assert records[2]["status"] == "ok"   # expert_loop: plain torch, runs everywhere
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("args", [
+    ["--weights", "fp8", "--shapes", "qwen3_30b_a3b"],
+    ["--weights", "fp8-w8a16", "--shapes", "qwen3_30b_a3b"],
+    ["--weights", "mxfp4", "--shapes", "gpt_oss_20b"],
+    ["--shapes", "gpt_oss_20b"],
+], ids=["fp8", "fp8-w8a16", "mxfp4", "bf16-gpt-oss-peers"])
+def test_gpu_bench_real_shapes_check_and_time_everything(args, tmp_path):
+    """On the GPU at real shapes: every implementation passes its float64 check (W8A8 also the
+    W8A8 reference) and is timed, moe_ops also as a graph replay; only scaled_grouped_mm (a
+    torch without its kernel) and transformers' peers (not installed, or batched_mm over its
+    memory budget) may be n/a or skip."""
+    csv_path = tmp_path / "gpu.csv"
+    r = _run(args + ["--tokens", "1", "128", "--warmup-ms", "2", "--rep-ms", "10",
+                     "--csv", str(csv_path)])
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    _, records = _csv_records(csv_path)
+    assert records and not [d for d in records if d["status"] in ("FAIL", "ERR", "OOM")], \
+        r.stdout[-4000:]
+    for d in records:
+        if d["impl"] in ("moe_ops", "deq_moe_ops", "predequantized", "torch_grouped_mm",
+                         "expert_loop"):
+            assert d["status"] == "ok" and float(d["best_us"]) > 0, d
+        if d["impl"] == "moe_ops":
+            assert float(d["graph_us"]) > 0 and float(d["floor_fraction"]) > 0, d
+        if d["status"] != "ok":
+            assert d["note"] and d["best_us"] == "", d
 
 
 def test_tiny_plot_writes_png(tiny_run):
@@ -150,6 +291,11 @@ def test_cli_output_paths_checked_before_the_run(module, args, message, tmp_path
     ("bench", ["--tiny", "--tokens", "0"], "a token count must be >= 1, got 0"),
     ("bench", ["--tiny", "--device", "foo"], "--device foo: not a device"),
     ("bench", ["--tiny", "--rep-ms", "0"], "--rep-ms must be > 0"),
+    ("bench", ["--tiny", "--weights", "int4"], "invalid choice: 'int4'"),
+    ("bench", ["--tiny", "--weights", "fp8", "--impls", "hf_eager"],
+     "--impls hf_eager: not an implementation of --weights fp8"),
+    ("bench", ["--tiny", "--impls", "deq_moe_ops"],
+     "--impls deq_moe_ops: not an implementation of --weights bf16"),
     ("tune", ["--shape", "a,b,c,d", "--tokens", "1"], "--shape a,b,c,d: expected four ints"),
     ("tune", ["--shape", "64,32,8,9", "--tokens", "1"], "K <= E"),
     ("tune", ["--shape", "64,32,8,2", "--tokens", "-3"], "a token count must be >= 1"),

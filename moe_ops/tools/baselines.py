@@ -7,7 +7,13 @@ routing never produces the `< 0` sentinel, and the baselines do not handle it. t
 imported only inside the functions that need it: it is an optional dependency.
 
 `baselines()` lists them, each with whether it can run here and whether it can be captured in a
-`torch.cuda.CUDAGraph` (no host synchronisation, no data-dependent allocation sizes)."""
+`torch.cuda.CUDAGraph` (no host synchronisation, no data-dependent allocation sizes).
+
+`gpt_oss_baselines()` lists the same five computations for gpt-oss's experts (issue 36): biases,
+`swiglu_oai` (alpha 1.702, limit 7.0) on interleaved gate/up columns, weights in the checkpoint's
+layouts. Their signature is `fn(hidden [T, H], gate_up_proj [E, H, 2I], gate_up_proj_bias [E, 2I],
+down_proj [E, I, H], down_proj_bias [E, H], topk_weights [T, K], topk_ids [T, K]) -> [T, H]`
+(transformers' GptOssExperts parameters, in its order)."""
 from __future__ import annotations
 
 import dataclasses
@@ -171,6 +177,116 @@ def clear_caches() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# gpt-oss's experts (issue 36): the same computations with biases, swiglu_oai and interleaved
+# gate/up columns, on the checkpoint's [E, H, 2I] / [E, I, H] weights (x @ W, no transpose).
+# --------------------------------------------------------------------------------------------
+
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0    # GptOssConfig's swiglu_alpha / swiglu_limit
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float = GPT_OSS_ALPHA,
+               limit: float = GPT_OSS_LIMIT) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU on interleaved [.., 2I] gate/up columns (GptOssExperts._apply_gate)."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def gpt_oss_torch_grouped_mm(hidden, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,
+                             topk_weights, topk_ids):
+    """torch_grouped_mm for gpt-oss's experts: the checkpoint's weights are grouped_mm's
+    [E, K, N] operands as stored; bias (gathered per sorted slot) and swiglu_oai in torch."""
+    gmm = _grouped_mm_op()
+    T, K = topk_ids.shape
+    E = gate_up_proj.shape[0]
+    sorted_ids, perm = torch.sort(topk_ids.reshape(-1))
+    token_idx = perm // K
+    bounds = torch.arange(E, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    offsets = torch.searchsorted(sorted_ids, bounds, right=True, out_int32=True)
+    x = hidden.index_select(0, token_idx)                          # [S, H]
+    h = gmm(x, gate_up_proj, offs=offsets)                         # [S, 2I]
+    h = h + gate_up_proj_bias.index_select(0, sorted_ids)
+    a = swiglu_oai(h)                                              # [S, I]
+    y = gmm(a, down_proj, offs=offsets)                            # [S, H]
+    y = y + down_proj_bias.index_select(0, sorted_ids)
+    w = topk_weights.reshape(-1).index_select(0, perm).to(torch.float32)
+    out = torch.zeros(T, hidden.shape[1], device=hidden.device, dtype=torch.float32)
+    out.index_add_(0, token_idx, y * w[:, None])                   # float32 accumulation
+    return out.to(hidden.dtype)
+
+
+def gpt_oss_expert_loop(hidden, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,
+                        topk_weights, topk_ids):
+    """expert_loop for gpt-oss's experts: one x @ W + b, swiglu_oai, a @ W + b per hit expert."""
+    T, K = topk_ids.shape
+    E = gate_up_proj.shape[0]
+    flat_ids = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat_ids)
+    counts = torch.bincount(flat_ids, minlength=E).tolist()       # the one host sync
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    out = torch.zeros(T, hidden.shape[1], device=hidden.device, dtype=torch.float32)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        slots = order[start:start + n]
+        start += n
+        tok = slots // K
+        a = swiglu_oai(hidden[tok] @ gate_up_proj[e] + gate_up_proj_bias[e])
+        y = a @ down_proj[e] + down_proj_bias[e]
+        out.index_add_(0, tok, y * weights[slots, None])
+    return out.to(hidden.dtype)
+
+
+def build_hf_gpt_oss_experts(gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,
+                             top_k: int, implementation: str):
+    """A transformers GptOssExperts whose four parameters ARE the given tensors (same storage),
+    dispatching through `config._experts_implementation = implementation`."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    E, H, two_i = gate_up_proj.shape
+    config = GptOssConfig(hidden_size=H, intermediate_size=two_i // 2, num_local_experts=E,
+                          num_experts_per_tok=top_k, swiglu_alpha=GPT_OSS_ALPHA,
+                          swiglu_limit=GPT_OSS_LIMIT, num_hidden_layers=1)
+    config._experts_implementation = implementation
+    with torch.device("meta"):
+        experts = GptOssExperts(config)
+    for name, t in (("gate_up_proj", gate_up_proj), ("gate_up_proj_bias", gate_up_proj_bias),
+                    ("down_proj", down_proj), ("down_proj_bias", down_proj_bias)):
+        setattr(experts, name, torch.nn.Parameter(t, requires_grad=False))
+        assert getattr(experts, name).data_ptr() == t.data_ptr()
+    return experts.eval()
+
+
+def make_hf_gpt_oss_baseline(implementation: str) -> Callable:
+    def fn(hidden, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias, topk_weights,
+           topk_ids):
+        params = (gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias)
+        key = (*map(_tensor_key, params), topk_ids.shape[1])
+        cached = _HF_CACHE.get(("gpt_oss", implementation))
+        if cached is None or cached[0] != key:
+            cached = (key, build_hf_gpt_oss_experts(*params, topk_ids.shape[1], implementation))
+            _HF_CACHE[("gpt_oss", implementation)] = cached
+        if topk_ids.dtype != torch.int64:
+            topk_ids = topk_ids.long()
+        with torch.no_grad():   # GptOssMLP's call: experts(hidden, router_indices, router_scores)
+            return cached[1](hidden, topk_ids, topk_weights)
+
+    fn.__name__ = f"hf_gpt_oss_{implementation}"
+    return fn
+
+
+def has_hf_gpt_oss() -> bool:
+    try:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class Baseline:
@@ -182,6 +298,9 @@ class Baseline:
     needs_transformers: bool = False
     # gathers a [T*K, 3*H*I] weight copy (transformers batched_mm): skip above a memory budget
     gathers_weights: bool = False
+    # "mixtral": moe.dispatch's plain signature; "gpt_oss": gpt-oss's experts, the checkpoint's
+    # parameters (see gpt_oss_baselines)
+    experts: str = "mixtral"
 
 
 def baselines() -> list[Baseline]:
@@ -194,6 +313,23 @@ def baselines() -> list[Baseline]:
         out.append(Baseline(f"hf_{impl}", make_hf_baseline(impl), capturable=impl != "eager",
                             int64_ids=True, needs_transformers=True,
                             gathers_weights=impl == "batched_mm"))
+        if impl not in impls:
+            out[-1].fn = None
+    return out
+
+
+def gpt_oss_baselines() -> list[Baseline]:
+    """The peers of moe_ops on gpt-oss's experts, under the names of their Mixtral-style twins."""
+    out = [
+        Baseline("torch_grouped_mm", gpt_oss_torch_grouped_mm, capturable=True,
+                 needs_grouped_mm=True, experts="gpt_oss"),
+        Baseline("expert_loop", gpt_oss_expert_loop, capturable=False, experts="gpt_oss"),
+    ]
+    impls = hf_experts_implementations() if has_hf_gpt_oss() else []
+    for impl in ("eager", "grouped_mm", "batched_mm"):
+        out.append(Baseline(f"hf_{impl}", make_hf_gpt_oss_baseline(impl),
+                            capturable=impl != "eager", int64_ids=True, needs_transformers=True,
+                            gathers_weights=impl == "batched_mm", experts="gpt_oss"))
         if impl not in impls:
             out[-1].fn = None
     return out

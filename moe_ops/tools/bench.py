@@ -9,6 +9,16 @@ run and report floor / time. The table comes last; --plot draws floor / time aga
     moe-ops-bench --shapes olmoe --tokens 1 128 --impls moe_ops torch_grouped_mm
     moe-ops-bench --tiny                # tiny shapes, CPU smoke test
     moe-ops-bench --csv out.csv --md out.md --plot out.png   # --plot needs matplotlib
+    moe-ops-bench --weights fp8         # FP8 block-scaled experts (W8A8); also fp8-w8a16, mxfp4
+
+--weights fp8|fp8-w8a16|mxfp4 benchmarks quantized expert weights (issue 42): moe_ops on the
+quantized weights, dequantize-then-bf16 moe_ops (the dequantization timed), bf16 moe_ops on
+weights dequantized ahead of time (a reference point, not a baseline) and rowwise-FP8
+torch._scaled_grouped_mm (FP8 only). Errors: against float64 on the dequantized weights with
+unquantized activations, and for W8A8 also against the W8A8 reference. Floor: the quantized
+bytes (weights of the experts hit + scales + activations in/out) at the copy rate, the flops at
+the FP8 torch._scaled_mm rate measured in the run (W8A8) or the bf16 matmul rate (W8A16, MXFP4:
+their MMAs run in bf16).
 
 (`python benchmarks/bench_moe.py` runs the same, from a source checkout.)
 """
@@ -33,10 +43,12 @@ import torch
 import moe_ops  # registers torch.ops.moe.*
 from moe_ops import _env, _features
 from moe_ops.tools import baselines as bl
+from moe_ops.tools import quant_baselines as qb
 from moe_ops.tools._timing import capture_graph  # noqa: F401  (re-exported)
 from moe_ops.tools._cli import device as cli_device
 from moe_ops.tools._cli import output_file, positive, token_count
 from moe_ops.reference import dispatch_reference
+from moe_ops.reference.quant import quantized_dispatch_reference
 
 
 # --------------------------------------------------------------------------------------------
@@ -58,8 +70,8 @@ class Shape:
     zipf: float = 0.0          # > 0: logits drawn so expert load falls off like Zipf(zipf)
     bias: bool = False         # DeepSeek-V3 e_score_correction_bias
     # gpt-oss experts: biases, swiglu_oai, interleaved gate/up rows, weights as transposed views
-    # of the checkpoint's [E, H, 2I] / [E, I, H] storage (moe_ops only: the baselines compute
-    # Mixtral-style experts)
+    # of the checkpoint's [E, H, 2I] / [E, I, H] storage (the baselines are gpt-oss's:
+    # baselines.gpt_oss_baselines)
     gpt_oss_experts: bool = False
 
 
@@ -71,16 +83,33 @@ SHAPES = {
                                 num_groups=8, topk_groups=4, scale=2.5, bias=True),
     "olmoe": Shape("olmoe", 2048, 1024, 64, 8, renormalize=False),
     "gpt_oss_20b": Shape("gpt_oss_20b", 2880, 2880, 32, 4, gpt_oss_experts=True),
+    "gpt_oss_120b": Shape("gpt_oss_120b", 2880, 2880, 128, 4, gpt_oss_experts=True),
 }
+# The shapes a run without --shapes takes, per --weights (bf16: every shape but gpt_oss_120b,
+# whose experts are gpt_oss_20b's, four times as many).
+DEFAULT_SHAPES = {
+    "bf16": [n for n in SHAPES if n != "gpt_oss_120b"],
+    "fp8": ["deepseek_v3_routed", "qwen3_30b_a3b"],
+    "fp8-w8a16": ["deepseek_v3_routed", "qwen3_30b_a3b"],
+    "mxfp4": ["gpt_oss_20b", "gpt_oss_120b"],
+}
+WEIGHTS = list(DEFAULT_SHAPES)
 # Same experts, top-k and routing; H and I cut down (odd I on purpose) so a CPU runs them in seconds.
 TINY_HI = {"mixtral_8x7b": (64, 56), "qwen3_30b_a3b": (32, 24), "qwen3_30b_a3b_zipf": (32, 24),
-           "deepseek_v3_routed": (64, 40), "olmoe": (32, 24), "gpt_oss_20b": (32, 24)}
+           "deepseek_v3_routed": (64, 40), "olmoe": (32, 24), "gpt_oss_20b": (32, 24),
+           "gpt_oss_120b": (32, 24)}
 TOKENS = [1, 8, 32, 128, 512, 2048, 8192]
 TINY_TOKENS = [1, 8, 33]
 
 IMPLS = ["moe_ops", "torch_grouped_mm", "expert_loop", "hf_eager", "hf_grouped_mm", "hf_batched_mm"]
+# --weights fp8 | fp8-w8a16 | mxfp4
+QUANT_IMPLS = ["moe_ops", "deq_moe_ops", "predequantized", "scaled_grouped_mm"]
+ALL_IMPLS = IMPLS + QUANT_IMPLS[1:]
 SHORT = {"moe_ops": "moe_ops", "torch_grouped_mm": "torch_gmm", "expert_loop": "loop",
-         "hf_eager": "hf_eager", "hf_grouped_mm": "hf_gmm", "hf_batched_mm": "hf_bmm"}
+         "hf_eager": "hf_eager", "hf_grouped_mm": "hf_gmm", "hf_batched_mm": "hf_bmm",
+         "deq_moe_ops": "deq+moe_ops", "predequantized": "predeq", "scaled_grouped_mm": "scaled_gmm"}
+# Reference points: shown, never the "best baseline" (predequantized: bf16 weights held in memory)
+REFERENCE_POINTS = {"predequantized"}
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 5e-3}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -94,6 +123,11 @@ def implementations() -> dict[str, bl.Baseline]:
     for b in bl.baselines():
         impls[b.name] = b
     return impls
+
+
+def gpt_oss_peers() -> dict[str, bl.Baseline]:
+    """The baselines of a gpt_oss_experts shape: gpt-oss's arithmetic, by the same names."""
+    return {b.name: b for b in bl.gpt_oss_baselines()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,6 +313,23 @@ class Weights:
                     w2_bias=self.w2_bias)
 
 
+@dataclasses.dataclass
+class QuantWeights:
+    """--weights fp8 | fp8-w8a16 | mxfp4: the quantized experts, with `dense` holding the router,
+    the biases and the weights dequantized ahead of time (moe.dispatch's [E, 2I, H] / [E, H, I]
+    layouts, hidden's dtype: the predequantized reference point and the float64 check)."""
+    fmt: qb.QuantFormat
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    dense: Weights
+    rowwise: Optional[tuple] = None   # (q13, s13, q2, s2) rowwise FP8 for scaled_grouped_mm
+
+    def quant_kwargs(self) -> dict:
+        return self.fmt.dispatch_kwargs(self.w13_scale, self.w2_scale)
+
+
 def make_weights(s: Shape, device, dtype, seed: int) -> Weights:
     g = torch.Generator(device=device).manual_seed(seed)
     if s.gpt_oss_experts:   # the checkpoint's storage, passed as transposed views (no copy)
@@ -289,6 +340,27 @@ def make_weights(s: Shape, device, dtype, seed: int) -> Weights:
     else:
         w13 = torch.randn(s.E, 2 * s.I, s.H, generator=g, device=device, dtype=dtype).mul_(0.02)
         w2 = torch.randn(s.E, s.H, s.I, generator=g, device=device, dtype=dtype).mul_(0.02)
+    return _with_router(s, w13, w2, g, device, dtype)
+
+
+def make_quant_weights(s: Shape, fmt: qb.QuantFormat, device, dtype, seed: int,
+                       rowwise: bool) -> QuantWeights:
+    """Random quantized experts (quant_baselines.random_quantized), their dense copies, the
+    shape's router and biases; `rowwise`: also the rowwise-FP8 copies for scaled_grouped_mm."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q13, q2, s13, s2 = qb.random_quantized(s.E, s.H, s.I, fmt.fmt, device, g)
+    bs = qb.BLOCK_SHAPE if fmt.fmt == "fp8" else None
+    d13 = qb.dequantize(q13, s13, bs, dtype)
+    d2 = qb.dequantize(q2, s2, bs, dtype)
+    rw = None
+    if rowwise:
+        rw = (*qb.rowwise_fp8(d13), *qb.rowwise_fp8(d2))
+    return QuantWeights(fmt, q13, q2, s13, s2, _with_router(s, d13, d2, g, device, dtype), rw)
+
+
+def _with_router(s: Shape, w13, w2, g, device, dtype) -> Weights:
+    """The experts' Weights with the router, correction bias, Zipf load and biases drawn next
+    from `g`."""
     # std 1/sqrt(H): logits of standard-normal tokens come out ~N(0, 1).
     gate = torch.randn(s.H, s.E, generator=g, device=device).div_(math.sqrt(s.H))
     # A real e_score_correction_bias balances the load; a random one of sigmoid-score size would
@@ -373,6 +445,7 @@ class Result:
     graph_rel_err: Optional[float] = None
     eager_us: Optional[float] = None
     graph_us: Optional[float] = None
+    w8a8_rel_err: Optional[float] = None   # --weights fp8, moe_ops: vs the W8A8 reference
 
     @property
     def best_us(self) -> Optional[float]:
@@ -399,6 +472,7 @@ class Cell:
     route_graph_us: Optional[float]
     checked: bool
     results: dict
+    weights: str = "bf16"
 
 
 def _short_exc(exc: BaseException) -> str:
@@ -406,7 +480,11 @@ def _short_exc(exc: BaseException) -> str:
 
 
 def run_impl(name: str, b: bl.Baseline, args_for: Callable, ref: Optional[torch.Tensor], tol: float,
-             timer: Timer, use_graph: bool, opts, s: Shape, T: int, skip_reason: Optional[str]) -> Result:
+             timer: Timer, use_graph: bool, opts, s: Shape, T: int, skip_reason: Optional[str],
+             w8a8_ref: Optional[tuple] = None) -> Result:
+    """Checks `b` against `ref` (and the (W8A8 reference, tolerance) `w8a8_ref`), then times it
+    eagerly and, where `use_graph` and it captures, as a graph replay. A wrong output is FAIL
+    and has no time."""
     r = Result(s.name, T, name)
     if skip_reason:
         r.status, r.note = "skip", skip_reason
@@ -418,8 +496,15 @@ def run_impl(name: str, b: bl.Baseline, args_for: Callable, ref: Optional[torch.
         timer.sync()
         if ref is not None:
             r.rel_err = rel_err(out, ref)
-            if not (r.rel_err <= tol):
-                r.status, r.note = "FAIL", f"rel err {r.rel_err:.2e} > {tol:.0e}"
+            if not (r.rel_err <= tol):   # a wrong output is reported, never timed
+                r.status, r.note = "FAIL", f"rel err {r.rel_err:.2e} > {tol:.0e} (not timed)"
+                return r
+        if w8a8_ref is not None and w8a8_ref[0] is not None:
+            r.w8a8_rel_err = rel_err(out, w8a8_ref[0])
+            if not (r.w8a8_rel_err <= w8a8_ref[1]):
+                r.status, r.note = "FAIL", (f"W8A8-reference rel err {r.w8a8_rel_err:.2e} > "
+                                            f"{w8a8_ref[1]:.0e} (not timed)")
+                return r
         del out
         one = timer.once(fn)
         if one > opts.max_call_ms:
@@ -440,9 +525,11 @@ def run_impl(name: str, b: bl.Baseline, args_for: Callable, ref: Optional[torch.
             timer.sync()
             if ref is not None:
                 r.graph_rel_err = rel_err(out, ref)
-                if not (r.graph_rel_err <= tol):
-                    r.status = "FAIL"
-                    r.note = (r.note + "; " if r.note else "") + f"graph rel err {r.graph_rel_err:.2e}"
+                if not (r.graph_rel_err <= tol):   # wrong in a graph: no time is reported
+                    r.status, r.eager_us = "FAIL", None
+                    r.note = ((r.note + "; " if r.note else "")
+                              + f"graph rel err {r.graph_rel_err:.2e} > {tol:.0e} (not timed)")
+                    return r
             r.graph_us = timer(graph.replay) * 1e3
         except Exception as exc:  # noqa: BLE001
             r.note = (r.note + "; " if r.note else "") + "graph: " + _short_exc(exc)
@@ -458,21 +545,29 @@ def floor_terms(s: Shape, T: int, experts_hit: int, esize: int) -> tuple[int, in
     return n_bytes, 2 * T * s.K * 3 * s.H * s.I
 
 
-def run_cell(s: Shape, wt: Weights, T: int, impls: dict, unavailable: dict, over_budget: dict,
-             opts, device, dtype, timer: Timer, bw: float, rate: float, log) -> Cell:
-    """Routes T tokens, times routing, checks and times every implementation on them."""
+@dataclasses.dataclass
+class Routed:
+    """One cell's tokens, routing and routing statistics (and routing's own times)."""
+    hidden: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    ids64: torch.Tensor
+    hit: int
+    max_load: float
+    route_eager_us: Optional[float]
+    route_graph_us: Optional[float]
+    use_graph: bool
+
+
+def route_cell(s: Shape, wt: Weights, T: int, opts, device, dtype, timer: Timer, log) -> Routed:
+    """Makes and routes T tokens, counts the experts hit, times routing on its own."""
     hidden, logits = make_tokens(s, wt, T, device, dtype, seed=opts.seed * 1000 + T)
     topk_weights, topk_ids = route(s, logits, wt.bias)
     ids64 = topk_ids.long()
     counts = torch.bincount(ids64.flatten(), minlength=s.E)
     hit = int((counts > 0).sum().item())
     max_load = counts.max().item() / (T * s.K / hit)
-    esize = hidden.element_size()
-    n_bytes, flops = floor_terms(s, T, hit, esize)
-    floor_us = max(n_bytes / bw, flops / rate) * 1e6
     use_graph = device.type == "cuda" and not opts.no_graph and (opts.graph_all or T <= 128)
-
-    # Routing, timed on its own.
     route_eager = route_graph = None
     try:
         route_eager = timer(lambda: route(s, logits, wt.bias)) * 1e3
@@ -481,6 +576,18 @@ def run_cell(s: Shape, wt: Weights, T: int, impls: dict, unavailable: dict, over
             route_graph = timer(graph.replay) * 1e3
     except Exception as exc:  # noqa: BLE001
         log(f"  route timing failed: {_short_exc(exc)}")
+    return Routed(hidden, topk_weights, topk_ids, ids64, hit, max_load, route_eager, route_graph,
+                  use_graph)
+
+
+def run_cell(s: Shape, wt: Weights, T: int, impls: dict, unavailable: dict, over_budget: dict,
+             opts, device, dtype, timer: Timer, bw: float, rate: float, log) -> Cell:
+    """Routes T tokens, times routing, checks and times every implementation on them."""
+    rt = route_cell(s, wt, T, opts, device, dtype, timer, log)
+    hidden, topk_weights, topk_ids, ids64 = rt.hidden, rt.topk_weights, rt.topk_ids, rt.ids64
+    esize = hidden.element_size()
+    n_bytes, flops = floor_terms(s, T, rt.hit, esize)
+    floor_us = max(n_bytes / bw, flops / rate) * 1e6
 
     # The float64 reference (bf16 weights are converted expert by expert, on the device).
     ref = None
@@ -490,33 +597,165 @@ def run_cell(s: Shape, wt: Weights, T: int, impls: dict, unavailable: dict, over
                                  **wt.expert_kwargs(s))
 
     def args_for(b: bl.Baseline):
-        return (hidden, wt.w13, wt.w2, topk_weights, ids64 if b.int64_ids else topk_ids)
+        ids = ids64 if b.int64_ids else topk_ids
+        if b.experts == "gpt_oss":   # the checkpoint's [E, H, 2I] / [E, I, H] storage
+            return (hidden, wt.w13.transpose(1, 2), wt.w13_bias, wt.w2.transpose(1, 2),
+                    wt.w2_bias, topk_weights, ids)
+        return (hidden, wt.w13, wt.w2, topk_weights, ids)
 
     results = {}
     variant = wt.expert_kwargs(s)
+    peers = gpt_oss_peers() if s.gpt_oss_experts else {}
     for name, b in impls.items():
         if name in unavailable:
             results[name] = Result(s.name, T, name, status="n/a", note=unavailable[name])
             continue
-        if variant and name != "moe_ops":
-            results[name] = Result(s.name, T, name, status="n/a",
-                                   note="computes Mixtral-style experts only")
-            continue
-        if variant:
+        if variant and name == "moe_ops":
             b = dataclasses.replace(b, fn=lambda *a, _fn=b.fn: _fn(*a, **variant))
+        elif s.gpt_oss_experts:
+            b = peers[name]
+            ok, why = bl.availability(b, device, dtype)
+            if not ok:
+                results[name] = Result(s.name, T, name, status="n/a", note=why)
+                continue
         skip = over_budget.get(name)
         if skip is None and b.gathers_weights:
             gathered = T * s.K * 3 * s.H * s.I * esize
             if gathered > opts.max_gather_gib * 2**30:
                 skip = f"would gather {gathered / 2**30:.1f} GiB of weights > {opts.max_gather_gib} GiB"
-        r = run_impl(name, b, args_for, ref, TOLERANCE[dtype], timer, use_graph, opts, s, T, skip)
-        if r.status == "skip" and name not in over_budget and "budget" in r.note:
-            over_budget[name] = f"over budget at T={T}"
-        if r.status == "OOM" and device.type == "cuda":
-            torch.cuda.empty_cache()
+        r = run_impl(name, b, args_for, ref, TOLERANCE[dtype], timer, rt.use_graph, opts, s, T,
+                     skip)
+        _after_impl(name, r, over_budget, device, T)
         results[name] = r
-    return Cell(s.name, T, floor_us, n_bytes, flops, hit, max_load, route_eager, route_graph,
-                checked, results)
+    return Cell(s.name, T, floor_us, n_bytes, flops, rt.hit, rt.max_load, rt.route_eager_us,
+                rt.route_graph_us, checked, results)
+
+
+def _after_impl(name: str, r: Result, over_budget: dict, device, T: int) -> None:
+    if r.status == "skip" and name not in over_budget and "budget" in r.note:
+        over_budget[name] = f"over budget at T={T}"
+    if r.status == "OOM" and device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------
+# Quantized weights (--weights fp8 | fp8-w8a16 | mxfp4)
+# --------------------------------------------------------------------------------------------
+
+def quant_floor_terms(s: Shape, T: int, experts_hit: int, esize: int,
+                      fmt: qb.QuantFormat) -> tuple[int, int]:
+    """(bytes, flops) of one forward call on quantized experts (issue 42): the quantized weights
+    of the experts hit with their scales, the activations in and out; 2*T*K*3*H*I flops."""
+    n_bytes = qb.quantized_bytes_per_expert(fmt.fmt, s.H, s.I) * experts_hit + 2 * T * s.H * esize
+    return n_bytes, 2 * T * s.K * 3 * s.H * s.I
+
+
+def quant_implementations(qw: QuantWeights, variant: dict) -> dict[str, bl.Baseline]:
+    """The implementations of a quantized cell, each called with (hidden, topk_weights,
+    topk_ids)."""
+    qkw = qw.quant_kwargs()
+    bs = qkw["block_shape"]
+    dense = qw.dense
+
+    def moe_ops_quant(hidden, tw, ids):
+        return torch.ops.moe.dispatch(hidden, qw.w13, qw.w2, tw, ids, **variant, **qkw)
+
+    def deq_moe_ops(hidden, tw, ids):
+        d13 = qb.dequantize(qw.w13, qw.w13_scale, bs, hidden.dtype)
+        d2 = qb.dequantize(qw.w2, qw.w2_scale, bs, hidden.dtype)
+        return torch.ops.moe.dispatch(hidden, d13, d2, tw, ids, **variant)
+
+    def predequantized(hidden, tw, ids):
+        return torch.ops.moe.dispatch(hidden, dense.w13, dense.w2, tw, ids, **variant)
+
+    def scaled_gmm(hidden, tw, ids):
+        return qb.scaled_grouped_mm_moe(hidden, *qw.rowwise, tw, ids, **variant)
+
+    return {
+        "moe_ops": bl.Baseline("moe_ops", moe_ops_quant, capturable=True),
+        # every call allocates and writes the dense weights: eager only (a graph would hold a
+        # second dense copy in its pool)
+        "deq_moe_ops": bl.Baseline("deq_moe_ops", deq_moe_ops, capturable=False),
+        "predequantized": bl.Baseline("predequantized", predequantized, capturable=True),
+        "scaled_grouped_mm": bl.Baseline("scaled_grouped_mm", scaled_gmm, capturable=True),
+    }
+
+
+def quant_unavailable(fmt: qb.QuantFormat, device, s: Optional[Shape] = None) -> dict[str, str]:
+    """impl -> why it cannot run for this format on this device (and shape)."""
+    out = {}
+    if fmt.fmt != "fp8":
+        out["scaled_grouped_mm"] = "rowwise FP8: an FP8 peer, not an MXFP4 kernel"
+    else:
+        ok, why = qb.scaled_grouped_mm_status(device)
+        if not ok:
+            out["scaled_grouped_mm"] = why
+    return out
+
+
+def run_quant_cell(s: Shape, qw: QuantWeights, T: int, impls: list[str], unavailable: dict,
+                   over_budget: dict, opts, device, dtype, timer: Timer, bw: float, rate: float,
+                   log) -> Cell:
+    """A cell on quantized experts: routing as run_cell, every implementation checked against
+    float64 on the dequantized weights with unquantized activations (and moe_ops W8A8 against
+    the W8A8 reference), then timed."""
+    fmt = qw.fmt
+    rt = route_cell(s, qw.dense, T, opts, device, dtype, timer, log)
+    hidden, tw, ids = rt.hidden, rt.topk_weights, rt.topk_ids
+    n_bytes, flops = quant_floor_terms(s, T, rt.hit, hidden.element_size(), fmt)
+    floor_us = max(n_bytes / bw, flops / rate) * 1e6
+    variant = qw.dense.expert_kwargs(s)
+    qkw = qw.quant_kwargs()
+
+    ref = ref_w8a8 = None
+    checked = flops <= opts.check_max_gflop * 1e9
+    if checked:
+        ref = quantized_dispatch_reference(hidden, qw.w13, qw.w2, tw, ids, **variant, **qkw,
+                                           emulate_kernel=False)
+        if fmt.w8a8_tol is not None:
+            ref_w8a8 = quantized_dispatch_reference(hidden, qw.w13, qw.w2, tw, ids, **variant,
+                                                    **qkw, emulate_kernel=True)
+    tolerance = {"moe_ops": fmt.tol, "deq_moe_ops": TOLERANCE[dtype],
+                 "predequantized": TOLERANCE[dtype], "scaled_grouped_mm": qb.SCALED_GROUPED_MM_TOL}
+    all_impls = quant_implementations(qw, variant)
+    results = {}
+    for name in impls:
+        if name in unavailable:
+            results[name] = Result(s.name, T, name, status="n/a", note=unavailable[name])
+            continue
+        b = all_impls[name]
+        r = run_impl(name, b, lambda _b: (hidden, tw, ids), ref, tolerance[name], timer,
+                     rt.use_graph, opts, s, T, over_budget.get(name),
+                     w8a8_ref=(ref_w8a8, fmt.w8a8_tol) if name == "moe_ops" else None)
+        _after_impl(name, r, over_budget, device, T)
+        results[name] = r
+    return Cell(s.name, T, floor_us, n_bytes, flops, rt.hit, rt.max_load, rt.route_eager_us,
+                rt.route_graph_us, checked, results, weights=fmt.name)
+
+
+def run_quant_shape(s: Shape, fmt: qb.QuantFormat, tokens: list[int], impls: list[str], opts,
+                    device, dtype, timer: Timer, bw: float, rate: float, log) -> list[Cell]:
+    """Every T of one shape on one set of quantized weights (made here, freed on return)."""
+    t0 = time.perf_counter()
+    unavailable = quant_unavailable(fmt, device, s)
+    qw = make_quant_weights(s, fmt, device, dtype, seed=opts.seed,
+                            rowwise="scaled_grouped_mm" in impls and "scaled_grouped_mm"
+                            not in unavailable)
+    mib = (qw.w13.nbytes + qw.w2.nbytes + qw.w13_scale.nbytes + qw.w2_scale.nbytes) / 2**20
+    log(f"\n== {s.name} {fmt.name}: H={s.H} I={s.I} E={s.E} K={s.K} {s.scoring}"
+        f"{' zipf(%.1f)' % s.zipf if s.zipf else ''}  quantized weights {mib:.1f} MiB"
+        f" ({time.perf_counter() - t0:.1f} s to make)")
+    for n, why in unavailable.items():
+        if n in impls:
+            log(f"  {n}: n/a ({why})")
+    over_budget: dict[str, str] = {}
+    cells = []
+    for T in tokens:
+        cell = run_quant_cell(s, qw, T, impls, unavailable, over_budget, opts, device, dtype,
+                              timer, bw, rate, log)
+        cells.append(cell)
+        log(format_progress(cell) + f"  [{time.perf_counter() - opts.t_start:.0f} s]")
+    return cells
 
 
 def run_shape(s: Shape, tokens: list[int], impls: dict, unavailable: dict, opts, device, dtype,
@@ -567,7 +806,8 @@ def fmt_result(r: Result, both: bool = False) -> str:
 
 
 def best_baseline(cell: Cell) -> Optional[Result]:
-    ok = [r for n, r in cell.results.items() if n != "moe_ops" and r.status == "ok" and r.best_us]
+    ok = [r for n, r in cell.results.items()
+          if n != "moe_ops" and n not in REFERENCE_POINTS and r.status == "ok" and r.best_us]
     return min(ok, key=lambda r: r.best_us) if ok else None
 
 
@@ -583,14 +823,27 @@ def summary_row(cell: Cell, impl_names: list[str]) -> list[str]:
     row.append(f"{SHORT[bb.impl]} {fmt_us(bb.best_us)}" if bb else "-")
     row.append(f"{bb.best_us / mo.best_us:.2f}x" if (mo_ok and bb) else "-")
     row.append(f"{100 * cell.floor_us / mo.best_us:.0f}%" if mo_ok else "-")
+    if cell.weights != "bf16":
+        row.append(_err(mo.rel_err if mo else None))
+        if cell.weights == "fp8":
+            row.append(_err(mo.w8a8_rel_err if mo else None))
     return row
 
 
-def summary_header(impl_names: list[str]) -> list[str]:
+def _err(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def summary_header(impl_names: list[str], weights: str = "bf16") -> list[str]:
     cols = ["shape", "T", "floor", "route e/g"]
     for n in impl_names:
         cols.append("moe_ops e/g" if n == "moe_ops" else SHORT[n])
-    return cols + ["best baseline", "speedup", "floor/moe_ops"]
+    cols += ["best baseline", "speedup", "floor/moe_ops"]
+    if weights != "bf16":
+        cols.append("moe_ops err")
+        if weights == "fp8":
+            cols.append("err vs W8A8 ref")
+    return cols
 
 
 def text_table(header: list[str], rows: list[list[str]]) -> str:
@@ -618,6 +871,8 @@ def format_progress(cell: Cell) -> str:
     mo = cell.results.get("moe_ops")
     if mo is not None and mo.rel_err is not None:
         err = f" err {mo.rel_err:.1e}"
+    if mo is not None and mo.w8a8_rel_err is not None:
+        err += f" (vs W8A8 ref {mo.w8a8_rel_err:.1e})"
     return (f"  T={cell.T:<5} hit {cell.hit:>3} max/mean load {cell.max_load:4.1f} "
             f"floor {fmt_us(cell.floor_us)} us"
             f" route {fmt_us(cell.route_eager_us)}/{fmt_us(cell.route_graph_us)}{err} | " + ", ".join(parts))
@@ -628,13 +883,14 @@ def detail_rows(cells: list[Cell], impl_names: list[str]) -> list[list[str]]:
     for c in cells:
         for n in impl_names:
             r = c.results[n]
-            rows.append([c.shape, str(c.T), n, r.status, fmt_us(r.eager_us), fmt_us(r.graph_us),
-                         f"{r.rel_err:.1e}" if r.rel_err is not None else "-",
+            rows.append([c.shape, c.weights, str(c.T), n, r.status, fmt_us(r.eager_us),
+                         fmt_us(r.graph_us), _err(r.rel_err), _err(r.w8a8_rel_err),
                          f"{100 * c.floor_us / r.best_us:.0f}%" if r.best_us else "-", r.note])
     return rows
 
 
-DETAIL_HEADER = ["shape", "T", "impl", "status", "eager us", "graph us", "rel err", "floor/time", "note"]
+DETAIL_HEADER = ["shape", "weights", "T", "impl", "status", "eager us", "graph us", "rel err",
+                 "W8A8-ref err", "floor/time", "note"]
 
 
 def write_csv_rows(path: str, env, header: list[str], rows) -> None:
@@ -648,11 +904,13 @@ def write_csv_rows(path: str, env, header: list[str], rows) -> None:
 
 
 def write_csv(path: str, cells: list[Cell], impl_names: list[str], env) -> None:
-    header = ["shape", "T", "impl", "status", "eager_us", "graph_us", "best_us", "best_how",
-              "rel_err", "graph_rel_err", "floor_us", "floor_fraction", "bytes", "flops",
-              "experts_hit", "max_over_mean_load", "route_eager_us", "route_graph_us", "note"]
-    rows = ([c.shape, c.T, n, r.status, _num(r.eager_us), _num(r.graph_us), _num(r.best_us),
-             r.best_how, _num(r.rel_err), _num(r.graph_rel_err), _num(c.floor_us),
+    header = ["shape", "weights", "T", "impl", "status", "eager_us", "graph_us", "best_us",
+              "best_how", "rel_err", "graph_rel_err", "w8a8_rel_err", "floor_us",
+              "floor_fraction", "bytes", "flops", "experts_hit", "max_over_mean_load",
+              "route_eager_us", "route_graph_us", "note"]
+    rows = ([c.shape, c.weights, c.T, n, r.status, _num(r.eager_us), _num(r.graph_us),
+             _num(r.best_us), r.best_how, _num(r.rel_err), _num(r.graph_rel_err),
+             _num(r.w8a8_rel_err), _num(c.floor_us),
              _num(c.floor_us / r.best_us if r.best_us else None), c.bytes, c.flops, c.hit,
              _num(c.max_load), _num(c.route_eager_us), _num(c.route_graph_us), r.note]
             for c in cells for n in impl_names for r in (c.results[n],))
@@ -683,7 +941,8 @@ def roofline_series(cells: list[Cell], impl_names: list[str]) -> dict[str, dict[
     return out
 
 
-def write_plot(path: str, cells: list[Cell], impl_names: list[str], env, dtype: str) -> None:
+def write_plot(path: str, cells: list[Cell], impl_names: list[str], env, dtype: str,
+               weights: str = "bf16") -> None:
     """One subplot per shape: floor / time against T (log2), one line per implementation."""
     from matplotlib.figure import Figure   # no pyplot: no GUI backend, no global state
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
@@ -708,7 +967,7 @@ def write_plot(path: str, cells: list[Cell], impl_names: list[str], env, dtype: 
             ax.set_yticks([])
             continue
         for n, (xs, ys) in lines.items():
-            (h,) = ax.plot(xs, ys, marker="o", markersize=4, color=f"C{IMPLS.index(n)}",
+            (h,) = ax.plot(xs, ys, marker="o", markersize=4, color=f"C{ALL_IMPLS.index(n)}",
                            linewidth=2.4 if n == "moe_ops" else 1.3, label=n)
             handles.setdefault(n, h)
         ax.axhline(1.0, color="0.4", linestyle="--", linewidth=0.8)   # at the floor
@@ -720,7 +979,8 @@ def write_plot(path: str, cells: list[Cell], impl_names: list[str], env, dtype: 
     for ax in axes[len(series):]:
         ax.set_visible(False)
     e = dict(env)
-    fig.suptitle(f"moe_ops forward, {dtype}: floor / time (better of eager and CUDA-graph replay)\n"
+    what = dtype if weights == "bf16" else f"{weights} weights, {dtype} activations"
+    fig.suptitle(f"moe_ops forward, {what}: floor / time (better of eager and CUDA-graph replay)\n"
                  f"{e.get('device', '?')}, moe_ops {e.get('moe_ops', '?')}, {e.get('date', '')}",
                  fontsize=10)
     if handles:
@@ -734,10 +994,18 @@ def write_plot(path: str, cells: list[Cell], impl_names: list[str], env, dtype: 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="moe-ops-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="default: all")
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES),
+                   help="default: the --weights' shapes (bf16: all but gpt_oss_120b)")
     p.add_argument("--tokens", nargs="+", type=token_count,
                    help=f"default: {TOKENS} ({TINY_TOKENS} with --tiny)")
-    p.add_argument("--impls", nargs="+", choices=IMPLS, help="default: all")
+    p.add_argument("--impls", nargs="+", choices=ALL_IMPLS,
+                   help=f"default: all of the weights' ({', '.join(IMPLS)} for bf16, "
+                        f"{', '.join(QUANT_IMPLS)} for quantized weights)")
+    p.add_argument("--weights", default="bf16", choices=WEIGHTS,
+                   help="expert weights: bf16 (hidden's dtype, default), fp8 (block-scaled "
+                        "[128, 128], W8A8), fp8-w8a16 (weight-only), mxfp4 (gpt-oss's MXFP4, "
+                        "W4A16); default shapes per weights: "
+                        + "; ".join(f"{w}: {' '.join(v)}" for w, v in DEFAULT_SHAPES.items()))
     p.add_argument("--tiny", action="store_true",
                    help="tiny H and I (same E, K, routing), few reps: a smoke test that runs on CPU")
     p.add_argument("--no-graph", action="store_true", help="no CUDA-graph timing")
@@ -765,6 +1033,11 @@ def parse_args(argv=None):
     opts = p.parse_args(argv)
     opts.device = cli_device(p, opts.device)
     positive(p, opts, "warmup_ms", "rep_ms", "max_call_ms")
+    allowed = IMPLS if opts.weights == "bf16" else QUANT_IMPLS
+    wrong = [n for n in opts.impls or [] if n not in allowed]
+    if wrong:
+        p.error(f"--impls {' '.join(wrong)}: not an implementation of --weights {opts.weights} "
+                f"(choose from {', '.join(allowed)})")
     # Refuse before benchmarking (minutes) what would fail only when the results are written.
     plot_types = None
     if opts.plot:
@@ -801,17 +1074,25 @@ def main(argv=None) -> int:
         opts.max_call_ms = 300.0 if device.type == "cuda" else 3000.0
     if opts.check_max_gflop is None:
         opts.check_max_gflop = math.inf if device.type == "cuda" else 20.0
-    shape_names = opts.shapes or list(SHAPES)
+    shape_names = opts.shapes or DEFAULT_SHAPES[opts.weights]
     shapes = [SHAPES[n] for n in shape_names]
+    quant = qb.FORMATS.get(opts.weights)
     if opts.tiny:
         shapes = [dataclasses.replace(s, H=TINY_HI[s.name][0], I=TINY_HI[s.name][1]) for s in shapes]
+    if quant is not None and quant.fmt == "mxfp4":   # H and I multiples of 32
+        shapes = [dataclasses.replace(s, H=-(-s.H // 32) * 32, I=-(-s.I // 32) * 32)
+                  for s in shapes]
     tokens = opts.tokens or (TINY_TOKENS if opts.tiny else TOKENS)
-    impl_names = opts.impls or IMPLS
-    impl_names = [n for n in IMPLS if n in impl_names]
+    all_names = IMPLS if quant is None else QUANT_IMPLS
+    impl_names = [n for n in all_names if n in (opts.impls or all_names)]
 
     env, timer, bw, rate = start_run(
         device, opts, "no CUDA: timing with time.perf_counter, no CUDA-graph timing; moe_ops runs "
         "its CPU path (torch reference, or the Triton interpreter with TRITON_INTERPRET=1)")
+    if quant is not None:
+        cells = run_quant(quant, shapes, tokens, impl_names, opts, device, dtype, env, timer, bw,
+                          rate)
+        return report(cells, impl_names, opts, env)
 
     all_impls = implementations()
     impls = {n: all_impls[n] for n in impl_names}
@@ -834,14 +1115,61 @@ def main(argv=None) -> int:
     for s in shapes:
         cells += run_shape(s, tokens, impls, unavailable, opts, device, dtype, timer, bw, rate, log)
         free_memory(device)
-    elapsed = time.perf_counter() - t_start
+    opts.elapsed = time.perf_counter() - t_start
+    return report(cells, impl_names, opts, env)
 
-    header = summary_header(impl_names)
+
+def run_quant(fmt: qb.QuantFormat, shapes: list[Shape], tokens: list[int], impl_names: list[str],
+              opts, device, dtype, env, timer: Timer, bw: float, bf16_rate: float) -> list[Cell]:
+    """--weights fp8 | fp8-w8a16 | mxfp4: the FP8 ceiling (W8A8), then every shape."""
+    rate = bf16_rate
+    if fmt.fp8_mma:
+        # CPU: torch._scaled_mm is emulated (~0.04 GFLOP/s), a token size keeps the run short
+        n = (1024 if opts.tiny else 8192) if device.type == "cuda" else 64
+        try:
+            rate = qb.fp8_matmul_rate(device, timer, n)
+            desc = f"fp8 torch._scaled_mm {n}^3: {rate / 1e12:.1f} TFLOP/s (the W8A8 flop floor)"
+        except Exception as exc:  # noqa: BLE001 - no FP8 matmul here: say so, charge bf16
+            desc = f"fp8 torch._scaled_mm unavailable ({_short_exc(exc)}): flop floor at bf16"
+        env[-1] = ("ceilings", env[-1][1] + "; " + desc)
+        log(f"{'fp8 ceiling':13s} {desc}")
+    run_desc = (f"weights {fmt.name}, activations {opts.dtype}, tol moe_ops {fmt.tol:.0e}"
+                + (f" (W8A8 reference {fmt.w8a8_tol:.0e})" if fmt.w8a8_tol else "")
+                + f", bf16 moe_ops {TOLERANCE[dtype]:.0e}, scaled_grouped_mm "
+                f"{qb.SCALED_GROUPED_MM_TOL:.0e}; do_bench warmup {opts.warmup_ms:g} ms rep "
+                f"{opts.rep_ms:g} ms (median), graph replay "
+                + ("off" if opts.no_graph or device.type != "cuda"
+                   else ("every T" if opts.graph_all else "T <= 128"))
+                + f", budget {opts.max_call_ms:g} ms/call{', tiny shapes' if opts.tiny else ''}")
+    env.append(("run", run_desc))
+    log(f"{'run':13s} {run_desc}")
+    t_start = opts.t_start = time.perf_counter()
+    cells: list[Cell] = []
+    for s in shapes:
+        cells += run_quant_shape(s, fmt, tokens, impl_names, opts, device, dtype, timer, bw, rate,
+                                 log)
+        free_memory(device)
+    opts.elapsed = time.perf_counter() - t_start
+    return cells
+
+
+def report(cells: list[Cell], impl_names: list[str], opts, env) -> int:
+    """The end of a run: notes, the summary table, the --csv / --md / --plot files."""
+    elapsed = opts.elapsed
+    header = summary_header(impl_names, opts.weights)
     rows = [summary_row(c, impl_names) for c in cells]
     unchecked = [f"{c.shape} T={c.T}" for c in cells if not c.checked]
     legend = ("times in us (median); 'e/g' = eager/CUDA-graph replay; a baseline shows its better "
               "figure, 'g' = graph; floor = max(bytes/bw, flops/rate); speedup = best baseline / "
               "moe_ops best; FAIL = rel err above tolerance; skip/n/a: see detail")
+    if opts.weights != "bf16":
+        legend += (f"; weights {opts.weights}: bytes = quantized weights of the experts hit + "
+                   "scales + activations, rate = " + ("FP8 _scaled_mm" if opts.weights == "fp8"
+                                                      else "bf16 matmul")
+                   + "; predeq = bf16 moe_ops on weights dequantized ahead of time (a reference "
+                   "point, not a baseline); deq+moe_ops = dequantize every call, then bf16 "
+                   "moe_ops; err = moe_ops vs float64 on the dequantized weights, unquantized "
+                   "activations")
     log_finish(cells, elapsed, log, "not checked against the float64 reference (over "
                "--check-max-gflop): " + ", ".join(unchecked) if unchecked else "")
     log("")
@@ -851,12 +1179,14 @@ def main(argv=None) -> int:
     if opts.csv:
         write_csv(opts.csv, cells, impl_names, env)
     if opts.md:
-        write_md(opts.md, "moe_ops forward benchmark", env, legend, md_table(header, rows),
+        title = "moe_ops forward benchmark" + (
+            f", {opts.weights} weights" if opts.weights != "bf16" else "")
+        write_md(opts.md, title, env, legend, md_table(header, rows),
                  md_table(DETAIL_HEADER, detail_rows(cells, impl_names)),
                  "Not checked against the float64 reference: " + ", ".join(unchecked)
                  if unchecked else "")
     if opts.plot:
-        write_plot(opts.plot, cells, impl_names, env, opts.dtype)
+        write_plot(opts.plot, cells, impl_names, env, opts.dtype, opts.weights)
     return 0
 
 

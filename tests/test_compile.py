@@ -357,7 +357,7 @@ class TestInductorGraphs(expecttest.TestCase if expecttest else unittest.TestCas
 moe.route.default -> (float32[u0, 2], int32[u0, 2])
 moe.dispatch_train.default -> (float32[u0, 32], float32[2*u0, 80])
 == backward
-moe.dispatch_backward_saved.default -> (float32[u0, 32], float32[8, 80, 32], float32[8, 32, 40], float32[u0, 2], float32[0], float32[0])""")
+moe.dispatch_backward_saved.default -> (float32[u0, 32], float32[8, 80, 32], float32[8, 32, 40], float32[u0, 2], float32[0], float32[0], float32[0])""")
             return
         self.assertExpectedInline(text, """\
 == forward
@@ -373,7 +373,7 @@ moe.route.default -> (float32[u0, 2], int32[u0, 2])
 moe.dispatch_train.default -> (float32[u0, 32], float32[2*u0, 80])
 aten.add.Tensor -> float32[u0, 32]
 == backward
-moe.dispatch_backward_saved.default -> (float32[u0, 32], float32[8, 80, 32], float32[8, 32, 40], float32[u0, 2], float32[0], float32[0])
+moe.dispatch_backward_saved.default -> (float32[u0, 32], float32[8, 80, 32], float32[8, 32, 40], float32[u0, 2], float32[0], float32[0], float32[0])
 aten.amax.default -> float32[u0, 1]
 aten.sub.Tensor -> float32[u0, 8]
 aten.exp.default -> float32[u0, 8]

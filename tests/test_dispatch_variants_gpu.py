@@ -1,8 +1,9 @@
 """GPU: moe.dispatch's expert variants (biases, activations, interleaved gate/up rows, transposed
-checkpoint-layout weights, the routing weight on the input) in bf16 against float64, CUDA-graph
-capture, no host sync, one compiled frame for every T, no weight-sized allocation for transposed
-gpt-oss weights, and the gpt-oss-20b expert shape. The CPU side (reference, interpreted kernels,
-gradcheck, opcheck, errors) is tests/test_dispatch_variants.py. Skipped without CUDA."""
+checkpoint-layout weights, the routing weight on the input, a separate up projection w3) in
+bf16 against float64, CUDA-graph capture, no host sync, one compiled frame for every T, no
+weight-sized allocation for transposed gpt-oss weights, and the gpt-oss-20b and DBRX expert
+shapes. The CPU side (reference, interpreted kernels, gradcheck, opcheck, errors) is
+tests/test_dispatch_variants.py (tests/test_dispatch_w3.py for w3). Skipped without CUDA."""
 from __future__ import annotations
 
 import pytest
@@ -192,3 +193,126 @@ def test_gpt_oss_20b_shape(T):
                              w13_bias=b13.double(), w2_bias=b2.double(),
                              **{k: v for k, v in kw.items() if "bias" not in k})
     assert rel_err(out, ref) <= BF16_FWD
+
+
+# ---------------------------------------------------------------------------------------------
+# w3: the up projection apart from the gate (DBRX). CPU side: tests/test_dispatch_w3.py.
+
+def _w3_inputs(T, H, I, E, K, seed=0, requires_grad=False, **opts):
+    from test_dispatch_w3 import _make
+
+    args, kw = _make(T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, routing="negative",
+                     seed=seed, device=DEVICE, **opts)
+    if requires_grad:
+        for t in (*args[:4], *[v for v in kw.values() if isinstance(v, torch.Tensor)]):
+            t.requires_grad_(True)
+    return args, kw
+
+
+def _w3_check_grads(args, kw, go, bound=BF16_BWD):
+    from test_dispatch_w3 import _grad_oracle
+
+    ref = _grad_oracle(args, kw, go)
+    leaves = [*args[:4], kw.get("w13_bias"), kw.get("w2_bias"), kw["w3"]]
+    for name, t, r in zip(["hidden", "w13", "w2", "topk_weights", "w13_bias", "w2_bias", "w3"],
+                          leaves, ref):
+        if t is None:
+            continue
+        assert t.grad is not None and t.grad.stride() == t.stride(), name
+        if r.norm() > 0:
+            assert rel_err(t.grad, r) <= bound, (name, rel_err(t.grad, r))
+
+
+@pytest.mark.parametrize("T", [1, 128])
+def test_w3_dbrx_shape_forward(T):
+    """DBRX's expert shape (E = 16, K = 4, H = 6144, I = 10752) with DBRX's views (w1 / v1 /
+    w2 [E*I, H] seen as [E, I, H], w2 transposed), bf16 forward against float64."""
+    from test_dispatch_w3 import _oracle
+
+    args, kw = _w3_inputs(T, 6144, 10752, 16, 4, seed=T, dbrx=True)
+    out = moe_ops.dispatch(*args, **kw)
+    assert rel_err(out, _oracle(args, kw)) <= BF16_FWD
+
+
+@pytest.mark.parametrize("T", [1, 256])
+def test_w3_dbrx_views_backward(T):
+    """Every gradient (w3's included) with DBRX's views at E = 16, K = 4 and a third of DBRX's
+    H and I (the float64 oracle's weight gradients stay a few GB), bf16 against float64."""
+    args, kw = _w3_inputs(T, 2048, 3584, 16, 4, seed=T, requires_grad=True, dbrx=True)
+    out = moe_ops.dispatch(*args, **kw)
+    go = torch.randn(out.shape, device=DEVICE, dtype=torch.bfloat16)
+    out.backward(go)
+    _w3_check_grads(args, kw, go)
+
+
+@pytest.mark.parametrize("T", [1, 5, 300])
+@pytest.mark.parametrize("biases", [False, True])
+def test_w3_tma_capable_shapes_take_the_pointer_path(T, biases, monkeypatch):
+    """H and I multiples of 128 (the shapes whose configs take the descriptor paths): calls with
+    w3 launch the gate+up kernel on pointer loads (no descriptor, HAS_W3), forward and the
+    backward's recompute, with the right result; also under a config that asks for TMA."""
+    from dataclasses import replace
+
+    import moe_ops.launch.dispatch as launch
+    from conftest import spy_kernel_launches
+    from moe_ops.kernels.expert_gemm import gate_up_kernel
+    from moe_ops.tuning.heuristics import dispatch_config
+    from test_dispatch_w3 import _compute_kw, _oracle
+
+    monkeypatch.setenv("MOE_OPS_FAST_LAUNCH", "0")   # (every launch through the spy)
+    seen = []
+    spy_kernel_launches(monkeypatch, launch, lambda k, g, a, kw: seen.append(kw)
+                        if k is gate_up_kernel else None)
+    args, kw = _w3_inputs(T, 256, 384, 8, 2, seed=T, requires_grad=True, biases=biases,
+                          strided=T == 5)
+    out = moe_ops.dispatch(*args, **kw)
+    assert rel_err(out, _oracle(args, kw)) <= BF16_FWD
+    go = torch.randn(out.shape, device=DEVICE, dtype=torch.bfloat16)
+    moe_ops.set_recompute(True)
+    try:
+        moe_ops.dispatch(*args, **kw).backward(go)
+    finally:
+        moe_ops.set_recompute(None)
+    _w3_check_grads(args, kw, go)
+    cfg = replace(dispatch_config(T, 8, 2, 256, 384, "cuda", torch.bfloat16), tma_weights=True,
+                  tma_gate_up_pair=True)
+    det = [a.detach() for a in args]
+    kw_d = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    got = launch.dispatch_triton(*det, config=cfg, **_compute_kw(kw_d))
+    assert rel_err(got, _oracle(det, kw_d)) <= BF16_FWD
+    assert len(seen) >= 3
+    for launch_kw in seen:
+        assert launch_kw.get("HAS_W3") and not launch_kw.get("USE_TMA"), launch_kw
+
+
+@pytest.mark.parametrize("T", [1, 8, 200])
+def test_w3_cuda_graph_capture_and_no_host_sync(T):
+    """DBRX-style views captured in a CUDA graph replay on fresh inputs copied into the static
+    buffers; forward and backward (w3's gradient included) under set_sync_debug_mode("error")."""
+    from test_dispatch_w3 import _oracle
+
+    args, kw = _w3_inputs(T, 256, 384, 8, 4, seed=T, dbrx=True, biases=True)
+    static = [a.clone() for a in args]
+    moe_ops.dispatch(*static, **kw)   # compile the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_ops.dispatch(*static, **kw)
+    fresh, _ = _w3_inputs(T, 256, 384, 8, 4, seed=T + 100, dbrx=True)
+    for s, f in zip(static, fresh):
+        s.copy_(f)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, _oracle(fresh, kw)) <= BF16_FWD
+
+    grad_args, gkw = _w3_inputs(T, 256, 384, 8, 4, seed=T + 1, requires_grad=True, dbrx=True)
+    y = moe_ops.dispatch(*grad_args, **gkw)   # warm-up (kernel compiles may sync)
+    y.backward(torch.ones_like(y))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = moe_ops.dispatch(*grad_args, **gkw)
+        y.backward(torch.ones_like(y))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert gkw["w3"].grad is not None

@@ -25,7 +25,6 @@ FAMILIES = hf_families.families()
 # Families moe_ops refuses, with the words the refusal must contain (the difference). Anything
 # not listed must work through both routes.
 REFUSED = {
-    "dbrx": "two separate",
     "doge": "DogeCDMoE",
     "ergo": "ungated experts",
     "jetmoe": "JetMoeParallelExperts",
@@ -69,7 +68,7 @@ def _out(model, ids, kw):
 def _experts_modules(model):
     return [m for m in model.modules()
             if hasattr(m, "has_gate") and hasattr(type(m), "_apply_gate")
-            or type(m).__name__ == "Llama4TextExperts"]
+            or type(m).__name__ in ("Llama4TextExperts", "DbrxExperts")]
 
 
 def _set(model, impl):
@@ -156,3 +155,36 @@ def test_router_matches_transformers(fam):
         if r.shape == ref_ids.shape:  # the top-k weights, in each row's id order
             r, g = r.gather(1, ref_o), g.gather(1, got_o)
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif("dbrx" not in FAMILIES, reason="this transformers has no DBRX")
+def test_dbrx_reads_its_weights_in_place():
+    """DBRX's gate w1 and up v1 (two [E*I, H] parameters) and its w2 reach moe.dispatch as
+    views of the parameters' storage (w13, w3 and the transposed w2), never copies; DBRX's
+    router stays transformers' own; gradients reach the three parameters."""
+    from moe_ops.integrations.huggingface import experts_layout
+
+    model = hf_families.build("dbrx")
+    ffn = next(m for m in model.modules() if type(m).__name__ == "DbrxFFN")
+    mlp, E = ffn.experts.mlp, ffn.experts.num_experts
+    I, H = ffn.experts.ffn_hidden_size, ffn.experts.hidden_size
+    layout = experts_layout(ffn.experts)
+    assert layout.w13.shape == (E, I, H) and layout.w3.shape == (E, I, H)
+    assert layout.w2.shape == (E, H, I)
+    for view, param in ((layout.w13, mlp.w1), (layout.w3, mlp.v1), (layout.w2, mlp.w2)):
+        assert view.data_ptr() == param.data_ptr() and view._base is param
+    assert layout.w2.stride() == (I * H, 1, H)
+    params = (mlp.w1, mlp.v1, mlp.w2)
+    ids, kw = _inputs(model)
+    model(ids, **kw)[0].pow(2).mean().backward()          # transformers' eager experts
+    ref = [p.grad.clone() for p in params]
+    model.zero_grad()
+    router_forward = type(ffn.router).forward
+    apply_moe_ops(model)
+    assert "forward" not in ffn.router.__dict__ and type(ffn.router).forward is router_forward
+    with OpCounter() as c:
+        model(ids, **kw)[0].pow(2).mean().backward()
+    assert c.counts.get("dispatch", 0) + c.counts.get("dispatch_train", 0) == 2, c.counts
+    for p, r in zip(params, ref):
+        assert p.grad is not None and p.grad.shape == p.shape
+        assert rel_err(p.grad, r) < 1e-5

@@ -67,6 +67,8 @@ class ExpertsLayout:
     limit: float = 7.0
     gate_up_interleaved: bool = False
     weights_on_input: bool = False
+    # DBRX: the up projection apart from the gate (w13 [E, I, H] is then the gate alone)
+    w3: torch.Tensor | None = None
 
     def dispatch_kwargs(self) -> dict:
         """Only the arguments that differ from the op's defaults: a Mixtral-style layout calls
@@ -83,6 +85,8 @@ class ExpertsLayout:
             kw["gate_up_interleaved"] = True
         if self.weights_on_input:
             kw["weights_on_input"] = True
+        if self.w3 is not None:
+            kw["w3"] = self.w3
         return kw
 
 
@@ -190,12 +194,9 @@ def experts_layout(experts: torch.nn.Module, where: str | None = None) -> Expert
     difference the op does not compute."""
     if type(experts).__name__ == "Llama4TextExperts":
         return _llama4_layout(experts, where)
-    problems = []
     if type(experts).__name__ == "DbrxExperts":
-        raise UnsupportedModelError(
-            f"moe_ops: DbrxExperts{f' ({where})' if where else ''}: DBRX keeps the gate (w1) and up "
-            "(v1) projections in two separate [E*I, H] tensors; moe.dispatch reads one w13 whose "
-            "gate and up rows share one stride, and joining them would copy the expert weights.")
+        return _dbrx_layout(experts, where)
+    problems = []
     w13 = getattr(experts, "gate_up_proj", None)
     w2 = getattr(experts, "down_proj", None)
     if not getattr(experts, "has_gate", True) or not isinstance(w13, torch.Tensor):
@@ -268,12 +269,47 @@ def _llama4_layout(experts, where):
     return ExpertsLayout(v13, v2, name, weights_on_input=True)
 
 
-def _check_weights(experts, where, v13, v2, interleaved, b13, b2):
+def _dbrx_layout(experts, where):
+    """DBRX (DbrxExperts / DbrxExpertGLU): the gate `w1` and up `v1` projections are two
+    [E*I, H] parameters and `w2` is [E*I, H] (down is its per-expert transpose). They are read
+    in place as views: w13 = w1.view(E, I, H) (the gate alone), w3 = v1.view(E, I, H) and
+    w2.view(E, I, H).transpose(1, 2) ([E, H, I]); DBRX's router stays transformers' code."""
+    mlp = getattr(experts, "mlp", None)
+    w1, v1, w2 = (getattr(mlp, n, None) for n in ("w1", "v1", "w2"))
+    E = getattr(experts, "num_experts", None)
+    I = getattr(experts, "ffn_hidden_size", None)
+    H = getattr(experts, "hidden_size", None)
+    if not all(isinstance(t, torch.Tensor) for t in (w1, v1, w2)) or not all(
+            isinstance(n, int) for n in (E, I, H)):
+        _raise(experts, where, ["no mlp.w1 / mlp.v1 / mlp.w2 tensors with num_experts, "
+                                "ffn_hidden_size and hidden_size (the DbrxExpertGLU layout)"])
     problems = []
+    for name, t in (("w1", w1), ("v1", v1), ("w2", w2)):
+        if tuple(t.shape) != (E * I, H):
+            problems.append(f"mlp.{name} {tuple(t.shape)} (expected [E*I, H] = {[E * I, H]})")
+    if len({w1.dtype, v1.dtype, w2.dtype}) > 1:
+        problems.append(f"mlp.w1 / v1 / w2 of different dtypes {w1.dtype} / {v1.dtype} / "
+                        f"{w2.dtype}")
+    act = getattr(mlp, "activation_fn", None)
+    activation = activation_name(act) if act is not None else None
+    if activation is None:
+        problems.append(f"activation {_act_label(act)} (moe.dispatch gates with SiLU, GELU "
+                        "(erf or tanh), ReLU, or gpt-oss's clamped SwiGLU)")
+    if problems:
+        _raise(experts, where, problems)
+    w13, w3 = w1.view(E, I, H), v1.view(E, I, H)
+    v2 = w2.view(E, I, H).transpose(1, 2)
+    _check_weights(experts, where, w13, v2, False, None, None, w3=w3)
+    return ExpertsLayout(w13, v2, activation, w3=w3)
+
+
+def _check_weights(experts, where, v13, v2, interleaved, b13, b2, w3=None):
+    problems = []
+    rows = 2 if w3 is None else 1   # (with w3, v13 holds the gate rows alone)
     if v13.dim() != 3 or v2.dim() != 3:
         problems.append(f"weights of rank {v13.dim()}/{v2.dim()} (expected 3-D gate_up_proj and "
                         "down_proj)")
-    elif not (v13.shape[0] == v2.shape[0] and v13.shape[1] == 2 * v2.shape[2]
+    elif not (v13.shape[0] == v2.shape[0] and v13.shape[1] == rows * v2.shape[2]
               and v13.shape[2] == v2.shape[1]):
         problems.append(f"gate_up_proj {tuple(v13.shape)} / down_proj {tuple(v2.shape)} (as "
                         "[E, 2I, H] / [E, H, I]) do not fit together")
@@ -283,7 +319,9 @@ def _check_weights(experts, where, v13, v2, interleaved, b13, b2):
             problems.append(f"gate_up_proj_bias {tuple(b13.shape)} (expected {(E, two_i)})")
         if b2 is not None and tuple(b2.shape) != (E, H):
             problems.append(f"down_proj_bias {tuple(b2.shape)} (expected {(E, H)})")
-    for name, w in (("gate_up_proj", v13), ("down_proj", v2)):
+    named = (("gate_up_proj", v13), ("down_proj", v2)) if w3 is None else (
+        ("w1", v13), ("v1", w3), ("w2", v2))
+    for name, w in named:
         if w.dtype not in _OK_DTYPES:
             problems.append(f"{name} dtype {w.dtype} (quantized experts are not covered)")
         elif w.dtype == torch.float64 and w.device.type not in ("cpu", "meta"):

@@ -6,9 +6,10 @@ through its recorded layout (`_hf_layouts.experts_layout`): `gate_up_proj` `[E, 
 the family stores it transposed (gpt-oss, Aria), `[E, H, 2I]` read as `gate_up_proj.transpose(1, 2)`
 (a view, never a copy); gate/up halves concatenated or interleaved; optional biases; SiLU, GELU
 (erf or tanh), ReLU or gpt-oss's clamped SwiGLU gating. Llama 4's MoE block (router weight on the
-input) is covered too. Ungated experts, post-expert norms, other activations or custom gates,
-DBRX's split gate/up tensors and the capacity-limited routers (NLLB-MoE, Switch) are refused with
-an `UnsupportedModelError` naming the difference.
+input) and DBRX's experts (gate `w1` and up `v1` as two tensors, passed as `w13` and `w3` views)
+are covered too. Ungated experts, post-expert norms, other activations or custom gates and the
+capacity-limited routers (NLLB-MoE, Switch) are refused with an `UnsupportedModelError` naming
+the difference.
 
 Two routes, both zero-copy:
 
@@ -603,14 +604,16 @@ def _check_expert_parallel(plan) -> None:
         if fn is not _patched_experts_forward:
             continue
         layout = experts_layout(module)
+        own = getattr(module, "gate_up_proj", None)
         if (layout.activation != "silu" or layout.dispatch_kwargs()
-                or layout.w13 is not module.gate_up_proj):
+                or layout.w13 is not own):
             raise UnsupportedModelError(
                 f"apply_moe_ops: expert parallelism covers gate-first [E, 2I, H] SiLU experts "
                 f"without biases; {type(module).__name__} is {layout.activation}-gated"
                 f"{', biased' if layout.w13_bias is not None else ''}"
                 f"{', interleaved' if layout.gate_up_interleaved else ''}"
-                f"{', transposed' if layout.w13 is not module.gate_up_proj else ''}.")
+                f"{', with separate gate and up tensors' if layout.w3 is not None else ''}"
+                f"{', transposed' if layout.w3 is None and layout.w13 is not own else ''}.")
 
 
 def revert_moe_ops(model: torch.nn.Module | None = None):

@@ -44,7 +44,8 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, w_desc=None, USE_TMA: tl.constexpr = False,
                  TMA_PAIR: tl.constexpr = False, INTERLEAVED: tl.constexpr = False,
-                 TMA_TRANS: tl.constexpr = False):
+                 TMA_TRANS: tl.constexpr = False, w3_ptr=None, stride_w3e=0, stride_w3n=0,
+                 stride_w3k=0, HAS_W3: tl.constexpr = False):
     """(gate, up) pre-activations [BLOCK_M, BLOCK_N] of the rows of tokens `tok` for expert `e`
     and columns pid_n*BLOCK_N.. of I, accumulated in float32 over H. Pointer path: one
     [BLOCK_K, 2*BLOCK_N] weight tile per step, gate columns n0..n0+BN then the matching up columns
@@ -60,7 +61,10 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
     w13 a transposed view of [E, H, 2I] storage, gpt-oss's checkpoint layout): `w_desc` is over
     that storage, block [1, BLOCK_K, 2*BLOCK_N] at columns 2*n0 (INTERLEAVED: gate and up
     columns alternate) or a [E, H, 2, I] view with block [1, BLOCK_K, 2, BLOCK_N] (gate-first):
-    one [BLOCK_K, 2*BLOCK_N] tile and one product per step, zero-filled past H and 2I."""
+    one [BLOCK_K, 2*BLOCK_N] tile and one product per step, zero-filled past H and 2I.
+    HAS_W3 (pointer loads only; the launcher takes no descriptor then): the gate rows n come
+    from `w_ptr` (w13 [E, I, H]) and the up rows n from `w3_ptr` ([E, I, H]), each with its own
+    strides: two [BLOCK_K, BLOCK_N] tiles and two products per step."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
     # One branch per path (compile-time): code after a `return` under a constexpr `if` is
@@ -94,6 +98,25 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
             acc = tl.dot(a, tl.trans(gu), acc, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_xh
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    elif HAS_W3:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        rows_n = offs_n[None, :].to(tl.int64)
+        g_ptrs = w_ptr + e * stride_we + rows_n * stride_wn + offs_k[:, None] * stride_wk
+        u_ptrs = w3_ptr + e * stride_w3e + rows_n * stride_w3n + offs_k[:, None] * stride_w3k
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_mask = offs_k < H - k0
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+            b_mask = k_mask[:, None] & n_mask[None, :]
+            g_w = tl.load(g_ptrs, mask=b_mask, other=0.0)
+            u_w = tl.load(u_ptrs, mask=b_mask, other=0.0)
+            acc_g = tl.dot(a, g_w, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a, u_w, acc_u, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_xh
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_w3k
     elif USE_TMA:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -221,11 +244,13 @@ def gate_up_kernel(
     BLOCK_C: tl.constexpr = 0, b_ptr=None, stride_be=0, stride_bn=0, tw_ptr=None, stride_tw_t=0,
     stride_tw_k=0, HAS_BIAS: tl.constexpr = False, WEIGHTS_ON_INPUT: tl.constexpr = False,
     INTERLEAVED: tl.constexpr = False, ACT: tl.constexpr = 0, alpha=1.702, limit=7.0,
-    TMA_TRANS: tl.constexpr = False,
+    TMA_TRANS: tl.constexpr = False, w3_ptr=None, stride_w3e=0, stride_w3n=0, stride_w3k=0,
+    HAS_W3: tl.constexpr = False,
 ):
     """act[row] = activate(s * z + b13_e) with z = W13_e x (the variant arguments: HAS_BIAS,
     WEIGHTS_ON_INPUT, INTERLEAVED, ACT with alpha and limit; the defaults are SwiGLU on
-    gate-first rows). SAVE_Z stores z itself (raw, in w13's row order)."""
+    gate-first rows; HAS_W3: the up rows from w3_ptr, gate_up_tile). SAVE_Z stores z itself
+    (raw, in w13's row order; with HAS_W3 [gate | up])."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
@@ -250,7 +275,8 @@ def gate_up_kernel(
                       DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
                       DIRECT, USE_PDL, TMA_PAIR, BLOCK_M // 2, b_ptr, stride_be, stride_bn,
                       tw_ptr, stride_tw_t, stride_tw_k, HAS_BIAS, WEIGHTS_ON_INPUT, INTERLEAVED,
-                      ACT, alpha, limit, TMA_TRANS)
+                      ACT, alpha, limit, TMA_TRANS, w3_ptr, stride_w3e, stride_w3n, stride_w3k,
+                      HAS_W3)
     else:
         gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                       n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
@@ -258,7 +284,8 @@ def gate_up_kernel(
                       DOT_PRECISION, SAVE_Z, w_desc, USE_TMA, ids_ptr, stride_ik, n_experts,
                       DIRECT, USE_PDL, TMA_PAIR, BLOCK_M, b_ptr, stride_be, stride_bn,
                       tw_ptr, stride_tw_t, stride_tw_k, HAS_BIAS, WEIGHTS_ON_INPUT, INTERLEAVED,
-                      ACT, alpha, limit, TMA_TRANS)
+                      ACT, alpha, limit, TMA_TRANS, w3_ptr, stride_w3e, stride_w3n, stride_w3k,
+                      HAS_W3)
 
 
 @triton.jit
@@ -271,7 +298,8 @@ def gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pi
                   TILE_M: tl.constexpr, b_ptr, stride_be, stride_bn, tw_ptr, stride_tw_t,
                   stride_tw_k, HAS_BIAS: tl.constexpr, WEIGHTS_ON_INPUT: tl.constexpr,
                   INTERLEAVED: tl.constexpr, ACT: tl.constexpr, alpha, limit,
-                  TMA_TRANS: tl.constexpr):
+                  TMA_TRANS: tl.constexpr, w3_ptr, stride_w3e, stride_w3n, stride_w3k,
+                  HAS_W3: tl.constexpr):
     """gate_up_kernel's work on the first TILE_M rows of row block pid_m."""
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
                                           stride_ik, n_experts, BLOCK_M, DIRECT, TILE_M)
@@ -281,7 +309,8 @@ def gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pi
     acc_g, acc_u = gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
                                 stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
                                 TILE_M, BLOCK_N, BLOCK_K, DOT_PRECISION, w_desc, USE_TMA,
-                                TMA_PAIR, INTERLEAVED, TMA_TRANS)
+                                TMA_PAIR, INTERLEAVED, TMA_TRANS, w3_ptr, stride_w3e,
+                                stride_w3n, stride_w3k, HAS_W3)
     if PDL_LATE:
         gdc_launch_dependents()
     rows64 = rows.to(tl.int64)
@@ -315,7 +344,8 @@ def down_kernel(
     HALF_TAIL: tl.constexpr = False, counters_ptr=None, out_ptr=None, stride_oh=0,
     COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False, a_desc=None, a_desc_half=None,
     A_TMA: tl.constexpr = False, b_ptr=None, stride_be=0, stride_bn=0,
-    HAS_BIAS: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr = False, w3_ptr=None, stride_w3e=0, stride_w3n=0, stride_w3k=0,
+    K3=0, A3_OFF=0, HAS_W3: tl.constexpr = False,
 ):
     """TMA_LAYOUT 0: pointer loads of W_e. 1: `w_desc` over a [E, N, K] weight (K contiguous,
     block [1, BLOCK_N, BLOCK_K]; the forward's w2). 2: `w_desc` over a [E, K, N] weight (N
@@ -331,7 +361,11 @@ def down_kernel(
     float32 into out, exactly as combine_kernel does (bitwise the same result, whichever program
     is last).
     HAS_BIAS: y[slot] = (weight *) (a W_e^T + b[e]): the bias (w2_bias [E, N]) before the
-    routing weight."""
+    routing weight.
+    HAS_W3 (pointer loads; the backward's dx with a separate up projection): after the I
+    columns of A against W_e, A's K3 columns from A3_OFF on are multiplied by W3_e
+    (W3_e[n, k] = w3_ptr[e*stride_w3e + n*stride_w3n + k*stride_w3k]) into the same
+    accumulator: dx = dz_gate W13_e + dz_up W3_e in one float32 sum."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
@@ -347,14 +381,16 @@ def down_kernel(
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
                    n_experts, DIRECT, USE_PDL, BLOCK_M // 2, a_desc_half, A_TMA, b_ptr,
-                   stride_be, stride_bn, HAS_BIAS)
+                   stride_be, stride_bn, HAS_BIAS, w3_ptr, stride_w3e, stride_w3n, stride_w3k,
+                   K3, A3_OFF, HAS_W3)
     else:
         down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m,
                    pid_n, n_slots, H, I, top_k, stride_am, stride_we, stride_wn, stride_wk,
                    stride_tw_t, stride_tw_k, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K,
                    DOT_PRECISION, HAS_WEIGHTS, w_desc, TMA_LAYOUT, ids_ptr, stride_ik,
                    n_experts, DIRECT, USE_PDL, BLOCK_M, a_desc, A_TMA, b_ptr, stride_be,
-                   stride_bn, HAS_BIAS)
+                   stride_bn, HAS_BIAS, w3_ptr, stride_w3e, stride_w3n, stride_w3k, K3, A3_OFF,
+                   HAS_W3)
     if COMBINE_K > 0:
         combine_last(y_ptr, ids_ptr, counters_ptr, out_ptr, pid_n, H, n_experts, stride_ik,
                      stride_ym, stride_oh, BLOCK_N, COMBINE_K, FENCE)
@@ -394,7 +430,8 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                w_desc, TMA_LAYOUT: tl.constexpr, ids_ptr, stride_ik, n_experts,
                DIRECT: tl.constexpr, PDL_LATE: tl.constexpr, TILE_M: tl.constexpr,
                a_desc, A_TMA: tl.constexpr, b_ptr, stride_be, stride_bn,
-               HAS_BIAS: tl.constexpr):
+               HAS_BIAS: tl.constexpr, w3_ptr=None, stride_w3e=0, stride_w3n=0, stride_w3k=0,
+               K3=0, A3_OFF=0, HAS_W3: tl.constexpr = False):
     """down_kernel's work on the first TILE_M rows of row block pid_m (A_TMA: A tiles through
     `a_desc`, whose block is [TILE_M, BLOCK_K])."""
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
@@ -424,6 +461,17 @@ def down_block(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wk
+    if HAS_W3:
+        a3_ptrs = act_ptr + rows64[:, None] * stride_am + A3_OFF + offs_k[None, :]
+        b3_ptrs = (w3_ptr + e * stride_w3e + offs_n[None, :].to(tl.int64) * stride_w3n
+                   + offs_k[:, None] * stride_w3k)
+        for k0 in range(0, K3, BLOCK_K):
+            k_mask = offs_k < K3 - k0
+            a = tl.load(a3_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b3_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a3_ptrs += BLOCK_K
+            b3_ptrs += BLOCK_K * stride_w3k
     if PDL_LATE:
         gdc_launch_dependents()
     slots64 = slots.to(tl.int64)

@@ -18,14 +18,14 @@ from moe_ops.tuning.heuristics import dispatch_config
 
 def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", config=None,
                     out=None, save_z=False, *, w13_bias=None, w2_bias=None, alpha=1.702,
-                    limit=7.0, gate_up_interleaved=False, weights_on_input=False):
+                    limit=7.0, gate_up_interleaved=False, weights_on_input=False, w3=None):
     """`out` (internal, for tests that poison outputs) must be a fresh [T, H] buffer.
     save_z (training): also return z = [g | u], the pre-activation per slot ([T*K, 2I], input
     dtype; zero rows for ids < 0 or >= E, as the reference) that dispatch_backward_triton(z=...)
     consumes: the raw product W13_e x in w13's row order, before the bias and the input's
     routing weight. The variant arguments: docs/contract.md (Variant)."""
     var = Variant(activation, w13_bias, w2_bias, alpha, limit, gate_up_interleaved,
-                  weights_on_input)
+                  weights_on_input, w3)
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
@@ -113,17 +113,20 @@ class Variant:
     limit: float = 7.0
     interleaved: bool = False
     weights_on_input: bool = False
+    w3: torch.Tensor | None = None   # the up projection apart from the gate (w13 [E, I, H])
 
     @property
     def plain(self) -> bool:
-        """SwiGLU on gate-first rows, no bias, weights on the output (Mixtral's experts)."""
+        """SwiGLU on gate-first rows, no bias, weights on the output (Mixtral's experts). (w3
+        changes only where the GEMMs read the up rows, not this.)"""
         return (self.activation == "silu" and self.w13_bias is None and self.w2_bias is None
                 and not self.interleaved and not self.weights_on_input)
 
     def key(self):
         """What the launches' arguments depend on (fast launch keys)."""
         return (self.activation, float(self.alpha), float(self.limit), self.interleaved,
-                self.weights_on_input, _opt_key(self.w13_bias), _opt_key(self.w2_bias))
+                self.weights_on_input, _opt_key(self.w13_bias), _opt_key(self.w2_bias),
+                _opt_key(self.w3))
 
     def gate_up_args(self, topk_weights) -> dict:
         """gate_up_kernel's variant arguments (none for the default SwiGLU on gate-first rows:
@@ -140,7 +143,15 @@ class Variant:
         if self.weights_on_input:
             kw.update(tw_ptr=topk_weights, stride_tw_t=topk_weights.stride(0),
                       stride_tw_k=topk_weights.stride(1), WEIGHTS_ON_INPUT=True)
+        if self.w3 is not None:
+            kw.update(w3_args(self.w3))
         return kw
+
+
+def w3_args(w3) -> dict:
+    """gate_up_kernel's arguments for an up projection apart from the gate (pointer path)."""
+    return dict(w3_ptr=w3, stride_w3e=w3.stride(0), stride_w3n=w3.stride(1),
+                stride_w3k=w3.stride(2), HAS_W3=True)
 
 
 def _opt_key(t):
@@ -164,8 +175,9 @@ def gate_up_triton(hidden, w13, act, al, cfg: DispatchConfig, n_slots, top_k, *,
     for the down kernel's combine_in_down (after the PDL wait: the buffer may be memory that the
     kernel before was still using). `key`: dispatch_triton's launch key (fast launch), or None.
     `variant` (Variant; None: the default) with `topk_weights` (read with weights_on_input):
-    bias, activation, interleaved rows. z is the raw product W13_e x in w13's row order
-    whatever the variant."""
+    bias, activation, interleaved rows, a separate up projection (w3: the gate rows come from
+    w13 and the up rows from w3, both by pointer loads; no descriptor path takes w3). z is the
+    raw product W13_e x in w13's row order whatever the variant (with w3: [gate | up])."""
     H = hidden.shape[1]
     I = act.shape[1]
     n_blocks = al.max_rows // cfg.block_m
@@ -174,7 +186,10 @@ def gate_up_triton(hidden, w13, act, al, cfg: DispatchConfig, n_slots, top_k, *,
     bn, bk = cfg.gate_up_block_n, cfg.gate_up_block_k
     w_desc, pair, trans = None, False, False
     st = w13.stride()
-    if cfg.tma_weights and st[2] != 1 and st[1] == 1 and 2 * bn <= 256:
+    # w3 (gate and up rows in two tensors): the pointer path, whatever the config asks (the
+    # descriptor paths read gate and up tiles from one tensor; docs/design.md)
+    tma = cfg.tma_weights and var.w3 is None
+    if tma and st[2] != 1 and st[1] == 1 and 2 * bn <= 256:
         # a transposed view of [E, H, 2I] storage (gpt-oss's checkpoint layout): descriptors
         # over the storage (a copy's box is at most 256 wide)
         E = w13.shape[0]
@@ -185,13 +200,13 @@ def gate_up_triton(hidden, w13, act, al, cfg: DispatchConfig, n_slots, top_k, *,
             w_desc = weight_desc(w13, [1, bk, 2, bn], shape=[E, H, 2, I],
                                  strides=[st[0], st[2], I, 1])
         trans = w_desc is not None
-    elif cfg.tma_weights and cfg.tma_gate_up_pair:   # [E, 2I, H] as [E, 2, I, H]: one copy
+    elif tma and cfg.tma_gate_up_pair:   # [E, 2I, H] as [E, 2, I, H]: one copy
         # gate-first rows: (e, j, i) is row j*I + i; interleaved: row 2i + j
         mid = [st[1], 2 * st[1]] if var.interleaved else [I * st[1], st[1]]
         w_desc = weight_desc(w13, [1, 2, bn, bk],
                              shape=[w13.shape[0], 2, I, H], strides=[st[0], *mid, st[2]])
         pair = w_desc is not None
-    if cfg.tma_weights and w_desc is None and not var.interleaved:
+    if tma and w_desc is None and not var.interleaved:
         # (the two-copy path reads the up tile at row I + n: gate-first rows only)
         w_desc = weight_desc(w13, [1, bn, bk])
     direct = _direct_args(al, w13.shape[0])
@@ -217,7 +232,7 @@ def gate_up_triton(hidden, w13, act, al, cfg: DispatchConfig, n_slots, top_k, *,
 
 def rows_gemm_triton(a, w, w_strides, y, al, config: RowGemmConfig, *, n_cols, reduce_dim, n_slots,
                      top_k, group_m=8, weights=None, tma_weights=False, half_height_tails=False,
-                     pdl=False, combine=None, key=None, bias=None):
+                     pdl=False, combine=None, key=None, bias=None, second=None):
     """y[slot] = (weights[slot] *) a[row] @ W_e^T ([n_cols]) for the aligned rows: `a` is
     contiguous in aligned-row order ([max_rows, reduce_dim]); W_e[n, k] = w[e*w_strides[0] +
     n*w_strides[1] + k*w_strides[2]] (any layout); y is per slot ([T*K, n_cols], rows of ids < 0
@@ -228,7 +243,10 @@ def rows_gemm_triton(a, w, w_strides, y, al, config: RowGemmConfig, *, n_cols, r
     `half_height_tails`: tail row blocks with at most block_m/2 valid rows run a half-height
     tile. `combine` = (counters, out, topk_ids), direct rows only: the last program per column
     tile also sums the K rows into out ([1, n_cols]). `bias` ([E, n_cols], optional): added to
-    each row before the weight (the forward's w2_bias)."""
+    each row before the weight (the forward's w2_bias). `second` = (w3, w3_strides, k3): after
+    the reduce_dim columns of `a` against W_e, a's next k3 columns are multiplied by W3_e
+    (addressed as W_e by w3_strides) into the same sums (the backward's dx with a separate up
+    projection); pointer loads for both parts then."""
     N, K_red = n_cols, reduce_dim
     block_n, block_k = config.block_n, config.block_k
     bm = al.block_m
@@ -243,10 +261,16 @@ def rows_gemm_triton(a, w, w_strides, y, al, config: RowGemmConfig, *, n_cols, r
         w_desc, layout = weight_desc(w, [1, block_n, block_k]), 1
     elif tma_weights and tuple(w_strides) == (w.stride(0), w.stride(2), w.stride(1)):   # [E, K, N]
         w_desc, layout = weight_desc(w, [1, block_k, block_n]), 2
-    if w_desc is None:
-        layout = 0
+    if w_desc is None or second is not None:
+        w_desc, layout = None, 0
     half = _half_tail(half_height_tails, al)
-    a_descs = a_tile_descs(a, bm, block_k, half) if config.tma_activations else None
+    a_descs = (a_tile_descs(a, bm, block_k, half)
+               if config.tma_activations and second is None else None)
+    w3kw = {}
+    if second is not None:
+        w3, st3, k3 = second
+        w3kw = dict(w3_ptr=w3, stride_w3e=st3[0], stride_w3n=st3[1], stride_w3k=st3[2], K3=k3,
+                    A3_OFF=K_red, HAS_W3=True)
     direct = _direct_args(al, w.shape[0])
     comb = {}
     if combine is not None:
@@ -266,7 +290,7 @@ def rows_gemm_triton(a, w, w_strides, y, al, config: RowGemmConfig, *, n_cols, r
         DOT_PRECISION=dot_precision(a.dtype), HAS_WEIGHTS=weights is not None,
         w_desc=w_desc, TMA_LAYOUT=layout, **direct, HALF_TAIL=half,
         **comb, **({} if a_descs is None else dict(a_desc=a_descs[0], a_desc_half=a_descs[1],
-                                                    A_TMA=True)), **_bias_args(bias),
+                                                    A_TMA=True)), **_bias_args(bias), **w3kw,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(pdl, a.device),
     )
 

@@ -30,13 +30,14 @@ from moe_ops.tuning.heuristics import backward_config, dispatch_config
 def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation="silu",
                              z=None, config=None, bwd_config=None, *, w13_bias=None, w2_bias=None,
                              alpha=1.702, limit=7.0, gate_up_interleaved=False,
-                             weights_on_input=False):
+                             weights_on_input=False, w3=None):
     """`z`: W13_e x per slot [T*K, 2I] saved by the training forward (None: recompute it).
     Returns (d hidden, d w13, d w2, d topk_weights), and (d w13_bias, d w2_bias) after them (None
-    for an absent bias) when a bias is given. Weight gradients have the weights' strides where
+    for an absent bias) when a bias is given, then d w3 when w3 (the up projection apart from
+    the gate w13 [E, I, H]) is given. Weight gradients have the weights' strides where
     those are a permutation of dense storage (a transposed checkpoint view), else contiguous."""
     var = Variant(activation, w13_bias, w2_bias, alpha, limit, gate_up_interleaved,
-                  weights_on_input)
+                  weights_on_input, w3)
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
@@ -51,6 +52,9 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     db2 = None if w2_bias is None else torch.empty_like(w2_bias,
                                                        memory_format=torch.contiguous_format)
     bias_grads = () if db13 is None and db2 is None else (db13, db2)
+    dw3 = None if w3 is None else empty_grad(w3)
+    if dw3 is not None:
+        bias_grads = (db13, db2, dw3)
     if T * K == 0 or E == 0:   # no slot reaches an expert: every gradient is zero
         return (dx.zero_(), dw13.zero_(), dw2.zero_(), dweights) + tuple(
             None if b is None else b.zero_() for b in bias_grads)
@@ -80,7 +84,8 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     # over dA and z.
     if z is None:   # recompute: the forward's gate+up GEMM; z lives only during this call
         z = torch.empty(n_slots, 2 * I, dtype=dt, device=dev)
-        gate_up_triton(hidden, w13, sa, al, cfg, n_slots, K, z=z, key=key and (key, "z"))
+        gate_up_triton(hidden, w13, sa, al, cfg, n_slots, K, z=z, key=key and (key, "z"),
+                       variant=None if w3 is None else Variant(w3=w3))
     dA = torch.empty(n_slots, I, dtype=torch.float32, device=dev)
     rows_gemm_triton(gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), dA, al,
                      bc.activation_grad_gemm, n_cols=I, reduce_dim=H, n_slots=n_slots, top_k=K,
@@ -109,16 +114,24 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     # dW2_e [H, I] = sum_rows dO[t]^T (s a)[row];  dW13_e [2I, H] = sum_rows dz[row]^T x[t]
     weight_grad_triton(gos, sa, dw2, al, bc.weight_grad, prec, key=key and (key, "dW2"))
     del gos
-    weight_grad_triton(dz, xs, dw13, al, bc.weight_grad, prec, key=key and (key, "dW13"))
+    if w3 is None:
+        weight_grad_triton(dz, xs, dw13, al, bc.weight_grad, prec, key=key and (key, "dW13"))
+    else:   # dz = [d gate | d up]: the gate half is w13's gradient, the up half w3's
+        weight_grad_triton(dz[:, :I], xs, dw13, al, bc.weight_grad, prec,
+                           key=key and (key, "dW13"))
+        weight_grad_triton(dz[:, I:], xs, dw3, al, bc.weight_grad, prec,
+                           key=key and (key, "dW3"))
     del xs
 
     # dx: per-slot dz[row] @ W13_e ([2I] x [2I, H]), then the forward's deterministic combine.
     dxs = torch.empty(n_slots, H, dtype=dt, device=dev)
     # (weights_on_input: dx_t = sum_k s dh W13_e, the routing weight in the row GEMM's epilogue)
+    # (w3: dz's gate columns against w13, then its up columns against w3, in one sum)
+    second = None if w3 is None else (w3, (w3.stride(0), w3.stride(2), w3.stride(1)), I)
     rows_gemm_triton(dz, w13, (w13.stride(0), w13.stride(2), w13.stride(1)), dxs, al,
-                     bc.input_grad_gemm, n_cols=H, reduce_dim=2 * I, n_slots=n_slots, top_k=K,
-                     key=key and (key, "dx"),
-                     weights=topk_weights if weights_on_input else None)
+                     bc.input_grad_gemm, n_cols=H, reduce_dim=2 * I if w3 is None else I,
+                     n_slots=n_slots, top_k=K, key=key and (key, "dx"),
+                     weights=topk_weights if weights_on_input else None, second=second)
     combine_triton(dxs, topk_ids, dx, E, key=key and (key, "dx"))
     return (dx, dw13, dw2, dweights) + bias_grads
 

@@ -88,7 +88,7 @@ def _is_float(x) -> bool:
 
 def check_variant_types(activation="silu", w13_bias=None, w2_bias=None, alpha=1.702, limit=7.0,
                         gate_up_interleaved=False, weights_on_input=False, w13_scale=None,
-                        w2_scale=None, block_shape=None, quantize_activations=True):
+                        w2_scale=None, block_shape=None, quantize_activations=True, w3=None):
     """The variant arguments' Python types (the dispatcher would raise a RuntimeError without
     the argument's name) and values that need no tensor."""
     if not isinstance(activation, str):
@@ -98,7 +98,7 @@ def check_variant_types(activation="silu", w13_bias=None, w2_bias=None, alpha=1.
         raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, "
                          f"got {activation!r}")
     for name, t in (("w13_bias", w13_bias), ("w2_bias", w2_bias), ("w13_scale", w13_scale),
-                    ("w2_scale", w2_scale)):
+                    ("w2_scale", w2_scale), ("w3", w3)):
         if t is not None:
             _tensor(name, t)
     for name, x in (("alpha", alpha), ("limit", limit)):
@@ -145,17 +145,27 @@ def _check_bias(name, b, shape, what, hidden):
 def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation="silu", w13_bias=None,
                    w2_bias=None, alpha=1.702, limit=7.0, gate_up_interleaved=False,
                    weights_on_input=False, w13_scale=None, w2_scale=None, block_shape=None,
-                   quantize_activations=True):
+                   quantize_activations=True, w3=None):
     for name, x in (("hidden", hidden), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights),
                     ("topk_ids", topk_ids)):
         _tensor(name, x)
     _rank("hidden", hidden, 2, "[T, H]")
-    _rank("w13", w13, 3, "[E, 2I, H]")
+    _rank("w13", w13, 3, "[E, I, H] (the gate, with w3)" if w3 is not None else "[E, 2I, H]")
     _rank("w2", w2, 3, "[E, H, I]")
     _rank("topk_weights", topk_weights, 2, "[T, K]")
     _rank("topk_ids", topk_ids, 2, "[T, K]")
     check_variant_types(activation, w13_bias, w2_bias, alpha, limit, gate_up_interleaved,
-                        weights_on_input, w13_scale, w2_scale, block_shape, quantize_activations)
+                        weights_on_input, w13_scale, w2_scale, block_shape, quantize_activations,
+                        w3)
+    if w3 is not None:
+        _rank("w3", w3, 3, "[E, I, H] (the up projection)")
+        if gate_up_interleaved:
+            raise ValueError("w3 (a separate up projection) cannot be combined with "
+                             "gate_up_interleaved=True: with w3, w13 holds the gate rows only")
+        if w13.dtype in QUANTIZED_DTYPES or w2.dtype in QUANTIZED_DTYPES \
+                or w3.dtype in QUANTIZED_DTYPES:
+            raise ValueError("w3 (a separate up projection) is not supported with quantized "
+                             "(FP8 / MXFP4) expert weights: pass the gate and up rows as one w13")
     for name, s, w in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2),
                        ("block_shape", block_shape, w13)):
         if s is not None and w.dtype not in QUANTIZED_DTYPES:
@@ -187,9 +197,15 @@ def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation="silu", w
     T, H = hidden.shape
     E, two_i, H13 = w13.shape
     E2, H2, I = w2.shape
+    if w3 is not None:
+        _check_w3(w3, w13, hidden, E, I, H)
+        two_i *= 2   # (w13 holds the I gate rows, w3 the I up rows)
     if gate_up_interleaved and two_i % 2:
         raise ValueError(f"gate_up_interleaved=True needs an even w13.shape[1] (gate rows 2i, up "
                          f"rows 2i+1), got {two_i}")
+    if w3 is not None and w13.shape[1] != I:
+        raise ValueError(f"w13 must have shape [E, I, H] with I = w2.shape[2] = {I} when w3 is "
+                         f"given (w13 holds the gate rows only), got w13.shape[1] = {w13.shape[1]}")
     if two_i != 2 * I:
         raise ValueError(
             f"w13 must have shape [E, 2I, H] with 2I = 2 * w2.shape[2] = {2 * I}, got w13.shape[1] = {two_i}")
@@ -215,6 +231,18 @@ def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation="silu", w
         _check_bias("w2_bias", w2_bias, (E, H), "[E, H]", hidden)
 
 
+def _check_w3(w3, w13, hidden, E, I, H):
+    """w3, the up projection given apart from the gate (w13 [E, I, H]): [E, I, H], hidden's
+    dtype and device, any strides the kernels can address."""
+    if w3.dtype != hidden.dtype:
+        raise TypeError(f"w3 must have hidden's dtype {hidden.dtype}, got {w3.dtype}")
+    check_same_device(hidden=hidden, w3=w3)
+    check_weight_layout("w3", w3)
+    if tuple(w3.shape) != (E, I, H):
+        raise ValueError(f"w3 must have shape [E, I, H] = {[E, I, H]} (E = w13.shape[0], I = "
+                         f"w2.shape[2], H = hidden.shape[1]), got {tuple(w3.shape)}")
+
+
 def check_dispatch_backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids, **variant):
     """The internal backward ops (moe.dispatch_backward, moe.dispatch_backward_saved): the
     forward's arguments, grad_out [T, H] and (saved) z [T*K, 2I], both in hidden's dtype on
@@ -223,7 +251,8 @@ def check_dispatch_backward(grad_out, z, hidden, w13, w2, topk_weights, topk_ids
     check_dispatch(hidden, w13, w2, topk_weights, topk_ids, **variant)
     extra = (("grad_out", grad_out, tuple(hidden.shape), "[T, H]"),)
     if z is not None:
-        extra += (("z", z, (topk_ids.shape[0] * topk_ids.shape[1], w13.shape[1]), "[T*K, 2I]"),)
+        extra += (("z", z, (topk_ids.shape[0] * topk_ids.shape[1], 2 * w2.shape[2]),
+                   "[T*K, 2I]"),)
     for name, t, shape, what in extra:
         _tensor(name, t)
         if tuple(t.shape) != shape:

@@ -6,7 +6,9 @@ Computes in float32 (float64 for float64 inputs) expert by expert; used as the C
 on float64 copies of the inputs, as the tests' oracle. Per slot (token t, expert e, weight s):
 z = W13_e x_t (w13's row order), h = (s z if weights_on_input else z) + b13_e, (g, u) = the
 gate and up halves of h (rows [0, I) and [I, 2I), or even and odd rows when interleaved),
-a = act(g, u), y = W2_e a + b2_e, out_t += y if weights_on_input else s y."""
+a = act(g, u), y = W2_e a + b2_e, out_t += y if weights_on_input else s y. With `w3` (the up
+projection apart from the gate, [E, I, H]), w13 is the gate alone [E, I, H] and W13_e stands for
+the rows of w13[e] then those of w3[e]."""
 from __future__ import annotations
 
 import math
@@ -111,9 +113,17 @@ def grad_like(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return empty_grad(w).copy_(g)
 
 
+def _w13(w13, w3, e, cd):
+    """Expert e's gate+up rows [2I, H] in the compute dtype: w13[e], or with w3 the gate rows
+    w13[e] then the up rows w3[e] (a per-expert float copy, as every reference product makes)."""
+    if w3 is None:
+        return w13[e].to(cd)
+    return torch.cat([w13[e].to(cd), w3[e].to(cd)], dim=0)
+
+
 def dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activation="silu", return_z=False,
                        *, w13_bias=None, w2_bias=None, alpha=1.702, limit=7.0,
-                       gate_up_interleaved=False, weights_on_input=False):
+                       gate_up_interleaved=False, weights_on_input=False, w3=None):
     """out [T, H]; with return_z also z = W13_e x per slot ([T*K, 2I] in w13's row order, before
     the bias and the input's weight; the input dtype, zeros for ids < 0), from the same
     per-expert products (moe.dispatch_train's CPU kernel)."""
@@ -121,13 +131,13 @@ def dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activation="silu
     E = w2.shape[0]
     cd = _compute_dtype(hidden.dtype)
     out = torch.zeros(T, H, dtype=cd, device=hidden.device)
-    z_all = (torch.zeros(topk_ids.numel(), w13.shape[1], dtype=hidden.dtype, device=hidden.device)
-             if return_z else None)
+    z_all = (torch.zeros(topk_ids.numel(), 2 * w2.shape[2], dtype=hidden.dtype,
+                         device=hidden.device) if return_z else None)
     weights = topk_weights.reshape(-1).to(cd)
     for e, slots, tok in _expert_slots(topk_ids, E):
         x = hidden[tok].to(cd)
         s = weights[slots, None]
-        z = x @ w13[e].to(cd).t()
+        z = x @ _w13(w13, w3, e, cd).t()
         if return_z:
             z_all[slots] = z.to(hidden.dtype)
         h = s * z if weights_on_input else z
@@ -142,7 +152,7 @@ def dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activation="silu
     return (out, z_all) if return_z else out
 
 
-def dispatch_z_reference(hidden, w13, topk_ids):
+def dispatch_z_reference(hidden, w13, topk_ids, w3=None):
     """z = W13_e x_t per slot ([T*K, 2I], w13's row order, the input dtype; zeros for ids < 0):
     what the training forward saves for the backward (before the bias and the input's routing
     weight). Computed on its own (the tests' oracle for dispatch_reference(return_z=True) and
@@ -150,25 +160,28 @@ def dispatch_z_reference(hidden, w13, topk_ids):
     T, H = hidden.shape
     E = w13.shape[0]
     cd = _compute_dtype(hidden.dtype)
-    z = torch.zeros(topk_ids.numel(), w13.shape[1], dtype=cd, device=hidden.device)
+    n = w13.shape[1] * (1 if w3 is None else 2)
+    z = torch.zeros(topk_ids.numel(), n, dtype=cd, device=hidden.device)
     for e, slots, tok in _expert_slots(topk_ids, E):
-        z[slots] = hidden[tok].to(cd) @ w13[e].to(cd).t()
+        z[slots] = hidden[tok].to(cd) @ _w13(w13, w3, e, cd).t()
     return z.to(hidden.dtype)
 
 
 def dispatch_backward_reference(grad_out, hidden, w13, w2, topk_weights, topk_ids,
                                 activation="silu", *, w13_bias=None, w2_bias=None, alpha=1.702,
-                                limit=7.0, gate_up_interleaved=False, weights_on_input=False):
+                                limit=7.0, gate_up_interleaved=False, weights_on_input=False,
+                                w3=None):
     """(d hidden, d w13, d w2, d topk_weights) for `dispatch_reference`, and (d w13_bias,
-    d w2_bias) after them (None for an absent bias) when a bias is given. The weight gradients
-    have the weights' strides (grad_like)."""
+    d w2_bias) after them (None for an absent bias) when a bias is given, then d w3 when w3 is
+    given. The weight gradients have the weights' strides (grad_like)."""
     T, H = hidden.shape
     E = w2.shape[0]
     cd = _compute_dtype(hidden.dtype)
     dx = torch.zeros(T, H, dtype=cd, device=hidden.device)
-    dw13 = torch.zeros(w13.shape, dtype=cd, device=w13.device)
+    I = w2.shape[2]
+    dw13 = torch.zeros(w13.shape[0], 2 * I, w13.shape[2], dtype=cd, device=w13.device)
     dw2 = torch.zeros(w2.shape, dtype=cd, device=w2.device)
-    db13 = torch.zeros(w13.shape[:2], dtype=cd, device=w13.device)
+    db13 = torch.zeros(w13.shape[0], 2 * I, dtype=cd, device=w13.device)
     db2 = torch.zeros(w2.shape[:2], dtype=cd, device=w2.device)
     dweights = torch.zeros(topk_weights.numel(), dtype=cd, device=topk_weights.device)
     weights = topk_weights.reshape(-1).to(cd)
@@ -176,7 +189,7 @@ def dispatch_backward_reference(grad_out, hidden, w13, w2, topk_weights, topk_id
     woi = weights_on_input
     for e, slots, tok in _expert_slots(topk_ids, E):
         x = hidden[tok].to(cd)
-        W13, W2 = w13[e].to(cd), w2[e].to(cd)
+        W13, W2 = _w13(w13, w3, e, cd), w2[e].to(cd)
         s = weights[slots, None]
         z = x @ W13.t()
         h = s * z if woi else z
@@ -206,9 +219,10 @@ def dispatch_backward_reference(grad_out, hidden, w13, w2, topk_weights, topk_id
             dh = dh * s
         dw13[e] = dh.t() @ x
         dx.index_add_(0, tok, dh @ W13)
-    grads = (dx.to(hidden.dtype), grad_like(w13, dw13), grad_like(w2, dw2),
-             dweights.view(topk_weights.shape).to(topk_weights.dtype))
-    if w13_bias is None and w2_bias is None:
+    grads = (dx.to(hidden.dtype), grad_like(w13, dw13 if w3 is None else dw13[:, :I]),
+             grad_like(w2, dw2), dweights.view(topk_weights.shape).to(topk_weights.dtype))
+    if w13_bias is None and w2_bias is None and w3 is None:
         return grads
-    return grads + (None if w13_bias is None else db13.to(w13_bias.dtype),
-                    None if w2_bias is None else db2.to(w2_bias.dtype))
+    grads += (None if w13_bias is None else db13.to(w13_bias.dtype),
+              None if w2_bias is None else db2.to(w2_bias.dtype))
+    return grads if w3 is None else grads + (grad_like(w3, dw13[:, I:]),)

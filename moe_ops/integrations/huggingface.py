@@ -601,6 +601,11 @@ def _check_expert_parallel(plan) -> None:
             raise UnsupportedModelError(
                 f"apply_moe_ops: expert parallelism does not cover {type(module).__name__} "
                 "(Llama 4: the routing weight multiplies the experts' input).")
+        if fn in (hf_quant.fp8_experts_forward, hf_quant.mxfp4_experts_forward):
+            raise UnsupportedModelError(
+                f"apply_moe_ops: expert_parallel_group with quantized experts "
+                f"({type(module).__name__}) is not covered; use "
+                "moe_ops.distributed.expert_parallel_dispatch with the FP8 tensors directly.")
         if fn is not _patched_experts_forward:
             continue
         layout = experts_layout(module)

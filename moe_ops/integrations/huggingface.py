@@ -421,39 +421,38 @@ def _mark_choice(config) -> None:
         config._experts_implementation_internal = _ChosenImplementation(impl)
 
 
-def _class_route_experts(chosen_fn, impl, self, *args, **kwargs):
+def _bf16_experts_route(self):
+    layout = experts_layout(self)
+    return functools.partial(_dispatch_experts, layout=layout)
+
+
+def _fp8_experts_route(self):
+    hf_quant.fp8_dispatch_kwargs(self)   # raises for what moe.dispatch does not cover
+    return hf_quant.fp8_experts_forward
+
+
+def _class_route(resolve, chosen_fn, impl, self, *args, **kwargs):
+    """The class route's experts call: the chosen implementation where the user chose one,
+    otherwise moe_ops (`resolve(self)` gives its forward, or raises UnsupportedModelError for a
+    layout moe.dispatch does not compute: then transformers' implementation, warned once per
+    class)."""
     if impl == EXPERTS_IMPLEMENTATION or isinstance(impl, _ChosenImplementation):
         return chosen_fn(self, *args, **kwargs)
     try:
-        layout = experts_layout(self)
+        fn = resolve(self)
     except UnsupportedModelError as e:
         if type(self) not in _FELL_BACK:
             _FELL_BACK.add(type(self))
             warnings.warn(f"{e} apply_moe_ops() leaves these experts to transformers' "
                           f"{impl or 'eager'} implementation.", stacklevel=2)
         return chosen_fn(self, *args, **kwargs)
-    return _dispatch_experts(self, *args, layout=layout, **kwargs)
+    return fn(self, *args, **kwargs)
 
 
-def _class_route_fp8_experts(chosen_fn, impl, self, *args, **kwargs):
-    # transformers' FP8 experts interface: the same rule as _class_route_experts
-    if impl == EXPERTS_IMPLEMENTATION or isinstance(impl, _ChosenImplementation):
-        return chosen_fn(self, *args, **kwargs)
-    try:
-        hf_quant.fp8_dispatch_kwargs(self)
-    except UnsupportedModelError as e:
-        if type(self) not in _FELL_BACK:
-            _FELL_BACK.add(type(self))
-            warnings.warn(f"{e} apply_moe_ops() leaves these experts to transformers' "
-                          f"{impl or 'eager'} implementation.", stacklevel=2)
-        return chosen_fn(self, *args, **kwargs)
-    return hf_quant.fp8_experts_forward(self, *args, **kwargs)
-
-
-def _wrap_get_interface(orig, route=_class_route_experts):
+def _wrap_get_interface(orig, resolve=_bf16_experts_route):
     def get_interface(experts_implementation, default):
         chosen_fn = orig(experts_implementation, default)
-        return functools.partial(route, chosen_fn, experts_implementation)
+        return functools.partial(_class_route, resolve, chosen_fn, experts_implementation)
     return get_interface
 
 
@@ -504,7 +503,7 @@ def _patch_experts_classes() -> bool:
     if fp8_interface is not None and hasattr(fp8_interface, "get_interface"):
         hf_quant.register_fp8_experts_interface()
         _patch_attr(fp8_interface, "get_interface",
-                    _wrap_get_interface(fp8_interface.get_interface, _class_route_fp8_experts))
+                    _wrap_get_interface(fp8_interface.get_interface, _fp8_experts_route))
     if hasattr(PreTrainedModel, "set_experts_implementation"):
         _patch_attr(PreTrainedModel, "set_experts_implementation",
                     _wrap_set_experts_implementation(PreTrainedModel.set_experts_implementation))

@@ -32,17 +32,23 @@ def _grouped_mm_op():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+def sort_by_expert(topk_ids, E):
+    """(sorted ids, perm, token of each sorted slot, offsets) of [T, K] ids: slots sorted by
+    expert (stable not needed: sums commute); offsets[e] = number of slots with id <= e
+    (cumulative ends, int32), found by binary search in the sorted ids: one kernel, sized by E
+    alone, no host sync."""
+    K = topk_ids.shape[1]
+    sorted_ids, perm = torch.sort(topk_ids.reshape(-1))
+    bounds = torch.arange(E, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    offsets = torch.searchsorted(sorted_ids, bounds, right=True, out_int32=True)
+    return sorted_ids, perm, perm // K, offsets
+
+
 def torch_grouped_mm(hidden, w13, w2, topk_weights, topk_ids):
     gmm = _grouped_mm_op()
-    T, K = topk_ids.shape
+    T = topk_ids.shape[0]
     E, I = w2.shape[0], w2.shape[2]
-    flat_ids = topk_ids.reshape(-1)
-    sorted_ids, perm = torch.sort(flat_ids)                       # stable not needed: sums commute
-    token_idx = perm // K                                          # [S] token of each sorted slot
-    # offsets[e] = number of slots with id <= e (cumulative ends, int32), found by binary search in
-    # the sorted ids: one kernel, sized by E alone.
-    bounds = torch.arange(E, device=flat_ids.device, dtype=sorted_ids.dtype)
-    offsets = torch.searchsorted(sorted_ids, bounds, right=True, out_int32=True)
+    sorted_ids, perm, token_idx, offsets = sort_by_expert(topk_ids, E)
     x = hidden.index_select(0, token_idx)                          # [S, H]
     h = gmm(x, w13.transpose(1, 2), offs=offsets)                  # [S, 2I]
     a = F.silu(h[:, :I]) * h[:, I:]                                # [S, I]
@@ -82,9 +88,10 @@ def grouped_mm_status(device: torch.device, dtype: torch.dtype) -> tuple[bool, s
 # Per-expert loop: plain torch, one host sync (the per-expert counts), eager only.
 # --------------------------------------------------------------------------------------------
 
-def expert_loop(hidden, w13, w2, topk_weights, topk_ids):
+def loop_experts(hidden, topk_weights, topk_ids, E, expert):
+    """sum over slots of weight * expert(e, rows of hidden routed to e), one hit expert at a
+    time, accumulated in float32."""
     T, K = topk_ids.shape
-    E, I = w2.shape[0], w2.shape[2]
     flat_ids = topk_ids.reshape(-1).long()
     order = torch.argsort(flat_ids)
     counts = torch.bincount(flat_ids, minlength=E).tolist()       # the one host sync
@@ -97,11 +104,17 @@ def expert_loop(hidden, w13, w2, topk_weights, topk_ids):
         slots = order[start:start + n]
         start += n
         tok = slots // K
-        h = hidden[tok] @ w13[e].t()
-        a = F.silu(h[:, :I]) * h[:, I:]
-        y = a @ w2[e].t()
-        out.index_add_(0, tok, y * weights[slots, None])
+        out.index_add_(0, tok, expert(e, hidden[tok]) * weights[slots, None])
     return out.to(hidden.dtype)
+
+
+def expert_loop(hidden, w13, w2, topk_weights, topk_ids):
+    I = w2.shape[2]
+
+    def expert(e, x):
+        h = x @ w13[e].t()
+        return (F.silu(h[:, :I]) * h[:, I:]) @ w2[e].t()
+    return loop_experts(hidden, topk_weights, topk_ids, w2.shape[0], expert)
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,12 +211,8 @@ def gpt_oss_torch_grouped_mm(hidden, gate_up_proj, gate_up_proj_bias, down_proj,
     """torch_grouped_mm for gpt-oss's experts: the checkpoint's weights are grouped_mm's
     [E, K, N] operands as stored; bias (gathered per sorted slot) and swiglu_oai in torch."""
     gmm = _grouped_mm_op()
-    T, K = topk_ids.shape
-    E = gate_up_proj.shape[0]
-    sorted_ids, perm = torch.sort(topk_ids.reshape(-1))
-    token_idx = perm // K
-    bounds = torch.arange(E, device=sorted_ids.device, dtype=sorted_ids.dtype)
-    offsets = torch.searchsorted(sorted_ids, bounds, right=True, out_int32=True)
+    T = topk_ids.shape[0]
+    sorted_ids, perm, token_idx, offsets = sort_by_expert(topk_ids, gate_up_proj.shape[0])
     x = hidden.index_select(0, token_idx)                          # [S, H]
     h = gmm(x, gate_up_proj, offs=offsets)                         # [S, 2I]
     h = h + gate_up_proj_bias.index_select(0, sorted_ids)
@@ -219,24 +228,10 @@ def gpt_oss_torch_grouped_mm(hidden, gate_up_proj, gate_up_proj_bias, down_proj,
 def gpt_oss_expert_loop(hidden, gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,
                         topk_weights, topk_ids):
     """expert_loop for gpt-oss's experts: one x @ W + b, swiglu_oai, a @ W + b per hit expert."""
-    T, K = topk_ids.shape
-    E = gate_up_proj.shape[0]
-    flat_ids = topk_ids.reshape(-1).long()
-    order = torch.argsort(flat_ids)
-    counts = torch.bincount(flat_ids, minlength=E).tolist()       # the one host sync
-    weights = topk_weights.reshape(-1).to(torch.float32)
-    out = torch.zeros(T, hidden.shape[1], device=hidden.device, dtype=torch.float32)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        slots = order[start:start + n]
-        start += n
-        tok = slots // K
-        a = swiglu_oai(hidden[tok] @ gate_up_proj[e] + gate_up_proj_bias[e])
-        y = a @ down_proj[e] + down_proj_bias[e]
-        out.index_add_(0, tok, y * weights[slots, None])
-    return out.to(hidden.dtype)
+    def expert(e, x):
+        a = swiglu_oai(x @ gate_up_proj[e] + gate_up_proj_bias[e])
+        return a @ down_proj[e] + down_proj_bias[e]
+    return loop_experts(hidden, topk_weights, topk_ids, gate_up_proj.shape[0], expert)
 
 
 def build_hf_gpt_oss_experts(gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias,

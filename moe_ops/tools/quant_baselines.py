@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_ops.reference.quant import FP8_MAX, dequantize_weights
+from moe_ops.tools.baselines import sort_by_expert
 
 BLOCK_SHAPE = [128, 128]
 
@@ -124,12 +125,8 @@ def scaled_grouped_mm_moe(hidden, q13, s13, q2, s2, topk_weights, topk_ids, *, a
     search: no host sync, capturable), activations quantized per row, gate+up, bias and
     activation in float32, quantize, down, bias, weighted float32 scatter-add. q13 [E, 2I, H] /
     q2 [E, H, I] float8_e4m3fn with s13 [E, 2I] / s2 [E, H] float32 (rowwise_fp8)."""
-    T, K = topk_ids.shape
-    E = q13.shape[0]
-    sorted_ids, perm = torch.sort(topk_ids.reshape(-1))
-    token_idx = perm // K
-    bounds = torch.arange(E, device=sorted_ids.device, dtype=sorted_ids.dtype)
-    offs = torch.searchsorted(sorted_ids, bounds, right=True, out_int32=True)
+    T = topk_ids.shape[0]
+    sorted_ids, perm, token_idx, offs = sort_by_expert(topk_ids, q13.shape[0])
     xq, xs = _rowwise_activations(hidden.index_select(0, token_idx))
     h = torch._scaled_grouped_mm(xq, q13.transpose(1, 2), xs, s13, offs=offs,
                                  out_dtype=torch.bfloat16).float()

@@ -621,6 +621,26 @@ def test_mxfp4_dot_scaled_path(interpreter):
     assert rel_err(out, plain.double()) < 3e-3
 
 
+@pytest.mark.parametrize("T", [1, 7])
+def test_mxfp4_swap_ab_path(interpreter, T):
+    """The transposed MXFP4 products (QuantDispatchConfig.mxfp4_swap_ab: decoded weights as the
+    left operand, accumulators [BLOCK_N, BLOCK_M]) match the reference, with gpt-oss's
+    variants, a K tail (H = 96) and a dropped id, and agree with the plain form."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+
+    args, kw, biases = mxfp4_inputs(T, 96, 64, 4, 2, routing="negative")
+    more = dict(activation="swiglu_oai", gate_up_interleaved=True, **biases)
+    base = quant_dispatch_config(T, 4, 2, 96, 64, "mxfp4", 32, "cpu")
+    out = dispatch_quantized(*args, **kw, **more, out=_poisoned(args[0]),
+                             config=dataclasses.replace(base, mxfp4_swap_ab=True))
+    ref = quantized_dispatch_reference(*args, **kw, **more)
+    assert rel_err(out, ref) < 1e-5
+    plain = dispatch_quantized(*args, **kw, **more, config=base)
+    assert rel_err(out, plain.double()) < 1e-5
+
+
 # ---------------------------------------------------------------- config paths
 
 def test_fp8_prequantized_hidden_is_the_fused_arithmetic(interpreter, monkeypatch):

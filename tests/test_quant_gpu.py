@@ -302,3 +302,29 @@ def test_fp8_prequantized_hidden_matches(shape):
     a, b = (dispatch_quantized(hidden, q13, q2, tw, ids, **kw, config=dataclasses.replace(
         cfg, prequantize_hidden=p)) for p in (True, False))
     assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("T", [1, 128, 700])
+def test_mxfp4_swap_ab_matches(T):
+    """The transposed MXFP4 products (QuantDispatchConfig.mxfp4_swap_ab) agree with the plain
+    form and the float64 reference at gpt-oss-20b's shape, with row blocks of 16 to 128."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+
+    E, K, H, I = SHAPES["gpt_oss_20b"]
+    g = torch.Generator(device=DEV).manual_seed(400 + T)
+    b13, b2, s13, s2 = mxfp4_weights(E, H, I, g)
+    hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+    tw, ids = _route(T, E, K, g)
+    kw = dict(w13_scale=s13, w2_scale=s2, activation="swiglu_oai", gate_up_interleaved=True)
+    base = dataclasses.replace(quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda"),
+                               mxfp4_swap_ab=False)
+    plain = dispatch_quantized(hidden, b13, b2, tw, ids, **kw, config=base)
+    ref = quantized_dispatch_reference(hidden, b13, b2, tw, ids, **kw)
+    for bm in sorted({base.block_m, 128}):
+        out = torch.full((T, H), float("nan"), device=DEV, dtype=torch.bfloat16)
+        dispatch_quantized(hidden, b13, b2, tw, ids, **kw, out=out, config=dataclasses.replace(
+            base, mxfp4_swap_ab=True, block_m=bm))
+        assert rel_err(out, plain.double()) <= 5e-3, bm
+        assert rel_err(out, ref) <= 1e-2, bm

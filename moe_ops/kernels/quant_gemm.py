@@ -161,14 +161,15 @@ def quantize_rows(a, EMULATE: tl.constexpr):
 def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl.constexpr,
                 WFMT: tl.constexpr, QUANT_A: tl.constexpr, EMULATE: tl.constexpr,
                 BLOCK_K: tl.constexpr, SCALAR_SCALE: tl.constexpr = False,
-                BIT_DECODE: tl.constexpr = False):
+                BIT_DECODE: tl.constexpr = False, SWAP_AB: tl.constexpr = False):
     """(b [BLOCK_K, BLOCK_N], per-column scale [BLOCK_N] float32) of reduction columns
     k0..k0+BLOCK_K of the weight rows starting at the pointers `w_rows` (masked by wmask), whose
     scales start at `s_rows` (FP8: the row's [bn, bk] block row; MXFP4: the row's scales). FP8:
     b is the fp8 tile (QUANT_A) or its exact conversion to OP_DTYPE, the scale the block's
     (SCALAR_SCALE: every row of the tile is in one block row, `s_rows` is that row's scalar
     pointer and the scale a scalar); MXFP4: b the decoded tile in OP_DTYPE (scales applied;
-    BIT_DECODE: by mxfp4_tile_bits), the column scale 1."""
+    BIT_DECODE: by mxfp4_tile_bits), the column scale 1; SWAP_AB (MXFP4): b is returned as
+    [BLOCK_N, BLOCK_K], the left operand of the transposed product (mma_step)."""
     if WFMT == 1:
         offs_k = tl.arange(0, BLOCK_K)
         k_mask = offs_k < K - k0
@@ -194,13 +195,16 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
         sc = tl.load(s_rows[:, None] + (k0 // 32 + offs_g)[None, :] * stride_sk,
                      mask=wmask[:, None] & g_mask[None, :], other=0)
         if BIT_DECODE:
-            b = tl.trans(mxfp4_tile_bits(p, sc, BN, BLOCK_K, OP_DTYPE))
+            v = mxfp4_tile_bits(p, sc, BN, BLOCK_K, OP_DTYPE)
         else:
             p = p.to(tl.int32)
             v = tl.reshape(tl.join(e2m1_decode(p & 15), e2m1_decode(p >> 4)), (BN, BLOCK_K))
             v = tl.reshape(tl.reshape(v, (BN, BLOCK_K // 32, 32)) * e8m0_decode(sc)[:, :, None],
-                           (BN, BLOCK_K))
-            b = tl.trans(v.to(OP_DTYPE))
+                           (BN, BLOCK_K)).to(OP_DTYPE)
+        if SWAP_AB:
+            b = v
+        else:
+            b = tl.trans(v)
         scale = tl.full((BN,), 1.0, tl.float32)
     else:
         # WFMT 3 (MXFP4 through tl.dot_scaled): the packed tile as it is, [BLOCK_K // 2, BN]
@@ -218,10 +222,14 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
 
 @triton.jit
 def mma_step(acc, a, a_scale, b, b_scale, WFMT: tl.constexpr, QUANT_A: tl.constexpr,
-             DOT_PRECISION: tl.constexpr, SCALAR_SCALE: tl.constexpr = False):
+             DOT_PRECISION: tl.constexpr, SCALAR_SCALE: tl.constexpr = False,
+             SWAP_AB: tl.constexpr = False):
     """acc + this K step's product (see the module docstring for each format; SCALAR_SCALE: the
     FP8 weight scale is one scalar for the tile, so the promotion is one multiply-add per
-    element). (One return: code after a return under a compile-time `if` is still compiled.)"""
+    element; SWAP_AB (MXFP4): acc is the transposed [BLOCK_N, BLOCK_M] accumulator and the
+    decoded weight tile b [BLOCK_N, BLOCK_K] the left operand, which the MMA can read from
+    registers where it was decoded). (One return: code after a return under a compile-time
+    `if` is still compiled.)"""
     if WFMT == 1:
         part = tl.dot(a, b, input_precision=DOT_PRECISION, out_dtype=tl.float32)
         if SCALAR_SCALE:
@@ -234,7 +242,11 @@ def mma_step(acc, a, a_scale, b, b_scale, WFMT: tl.constexpr, QUANT_A: tl.conste
         else:
             acc = acc + part * b_scale[None, :]
     elif WFMT == 2:
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+        if SWAP_AB:
+            acc = tl.dot(b, tl.trans(a), acc, input_precision=DOT_PRECISION,
+                         out_dtype=tl.float32)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=tl.float32)
     else:   # MXFP4 through tl.dot_scaled (b packed e2m1, b_scale its e8m0 bytes)
         if a.dtype == tl.bfloat16:
             acc = tl.dot_scaled(a, None, "bf16", b, b_scale, "e2m1", acc)
@@ -283,11 +295,13 @@ def quant_gate_up_kernel(
     EMULATE: tl.constexpr, OP_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DIRECT: tl.constexpr, A_PREQUANT: tl.constexpr = False, SCALAR_SCALE: tl.constexpr = False,
-    BIT_DECODE: tl.constexpr = False,
+    BIT_DECODE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
 ):
     """A_PREQUANT (W8A8): x_ptr is hidden already quantized per token and bk columns by
     quantize_groups_kernel (e4m3, scales at xs_ptr [T, H / bk]): the same values load_a would
-    compute, once per token instead of once per program."""
+    compute, once per token instead of once per program. SWAP_AB (MXFP4): the products are
+    computed transposed (weights x rows^T, accumulators [BLOCK_N, BLOCK_M]) and turned back
+    once, before the epilogue."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -320,8 +334,12 @@ def quant_gate_up_kernel(
         g_s, u_s = s_e + (g_rows // scale_bn) * stride_sn, s_e + (u_rows // scale_bn) * stride_sn
     else:
         g_s, u_s = s_e + g_rows * stride_sn, s_e + u_rows * stride_sn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SWAP_AB:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
         if A_PREQUANT:
@@ -332,12 +350,17 @@ def quant_gate_up_kernel(
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A, WEIGHTS_ON_INPUT,
                                 OP_DTYPE, EMULATE)
         bg, sg = weight_tile(g_w, g_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE)
-        acc_g = mma_step(acc_g, a, a_scale, bg, sg, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE)
+                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB)
+        acc_g = mma_step(acc_g, a, a_scale, bg, sg, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
+                         SWAP_AB)
         bu, su = weight_tile(u_w, u_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE)
-        acc_u = mma_step(acc_u, a, a_scale, bu, su, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE)
+                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB)
+        acc_u = mma_step(acc_u, a, a_scale, bu, su, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
+                         SWAP_AB)
         a_ptrs += BLOCK_K * stride_xh
+    if SWAP_AB:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     if HAS_BIAS:
         b_base = bias_ptr + e * stride_be
         acc_g += tl.load(b_base + g_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -365,6 +388,7 @@ def quant_down_kernel(
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DIRECT: tl.constexpr,
     SCALAR_SCALE: tl.constexpr = False, BIT_DECODE: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, H, BLOCK_N, GROUP_M)
     if not DIRECT:
@@ -377,7 +401,10 @@ def quant_down_kernel(
     offs_n64 = offs_n.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None] * stride_am + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     tw = tl.zeros((BLOCK_M,), tl.float32)
     w_n = w_ptr + e * stride_we + offs_n64 * stride_wn
     if SCALAR_SCALE:   # the tile's rows are in one [bn, bk] block row
@@ -395,9 +422,12 @@ def quant_down_kernel(
         else:
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, False, False, OP_DTYPE, EMULATE)
         b, sb = weight_tile(w_n, s_n, n_mask, k0, I, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                            QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE)
-        acc = mma_step(acc, a, a_scale, b, sb, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE)
+                            QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB)
+        acc = mma_step(acc, a, a_scale, b, sb, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
+                       SWAP_AB)
         a_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * stride_be + offs_n64 * stride_bn, mask=n_mask,
                        other=0.0).to(tl.float32)[None, :]

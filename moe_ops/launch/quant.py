@@ -43,6 +43,10 @@ class QuantDispatchConfig:
     mxfp4_dot_scaled: bool = False
     # MXFP4 decoded by bit placement (quant_gemm.mxfp4_tile_bits; GPU, bfloat16 activations)
     mxfp4_bit_decode: bool = True
+    # MXFP4 products computed transposed (decoded weights x rows^T): the decoded tile is the
+    # MMA's left operand, which Hopper's wgmma reads from registers (no trip through shared
+    # memory); the row block becomes the MMA's N (8..256), so decode tiles stay small
+    mxfp4_swap_ab: bool = False
     # FP8: one scalar weight scale per K step when every row of a tile is in one [bn, bk] block
     # row (gate+up: bn and I multiples of block_n1, not interleaved; down: bn a multiple of
     # block_n2)
@@ -157,7 +161,8 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     common = dict(WFMT=wfmt, QUANT_A=quant_a, EMULATE=emulate, OP_DTYPE=op_dtype,
                   DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
                   GROUP_M=group_m, DIRECT=direct, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages, BIT_DECODE=bit_decode)
+                  num_stages=cfg.num_stages, BIT_DECODE=bit_decode,
+                  SWAP_AB=wfmt == 2 and cfg.mxfp4_swap_ab)
     scalar13 = (fmt == "fp8" and cfg.scalar_weight_scale and not gate_up_interleaved
                 and bn % cfg.block_n1 == 0 and I % cfg.block_n1 == 0)
     scalar2 = fmt == "fp8" and cfg.scalar_weight_scale and bn % cfg.block_n2 == 0

@@ -212,9 +212,13 @@ def experts_layout(experts: torch.nn.Module, where: str | None = None) -> Expert
     # The gate's arithmetic is found once per module and setting (its probe imports
     # transformers' modules, which a torch.compile trace of the forward cannot do); a changed
     # setting (an activation or clamp limit set afterwards) finds it again.
-    settings = _gate_settings(experts)
+    # Under torch.compile the cached arithmetic is taken as it is: torch 2.11's Dynamo cannot
+    # trace vars() of a module (Unsupported method call), so a setting changed after the
+    # first eager call is seen by eager calls only.
     cached = getattr(experts, "_moe_ops_gate", None)
-    if not problems and cached is not None and cached[0] == settings:
+    compiling = torch.compiler.is_compiling()
+    settings = None if compiling and cached is not None else _gate_settings(experts)
+    if not problems and cached is not None and (settings is None or cached[0] == settings):
         activation, interleaved, alpha, limit = cached[1]
     elif not problems:
         gate_fn = getattr(type(experts), "_apply_gate", None)

@@ -28,6 +28,7 @@ from moe_ops.tools.bench import (
     measure_ceilings,
     text_table,
 )
+from moe_ops.tools.quant_baselines import BLOCK_SHAPE, random_quantized
 
 SHAPES = {  # E, K, H, I, format, gpt-oss arithmetic
     "deepseek_v3": (256, 8, 7168, 2048, "fp8", False),
@@ -38,25 +39,19 @@ SHAPES = {  # E, K, H, I, format, gpt-oss arithmetic
 
 
 def make_weights(E, H, I, fmt, gpt_oss, g):
-    """Random quantized weights in the checkpoints' layouts: FP8 e4m3 bytes below 0x78 with
-    scales ~1e-4 (weights ~0.01); MXFP4 random nibbles with e8m0 scales 2^-9..2^-6, gpt-oss's
-    biases and interleaved gate/up rows."""
-    kw = {"device": "cuda", "dtype": torch.uint8, "generator": g}
+    """Random quantized weights in the checkpoints' layouts (quant_baselines.random_quantized:
+    FP8 e4m3 with [128, 128]-block scales ~1e-4, weights ~0.01; MXFP4 random nibbles with e8m0
+    scales 2^-9..2^-6) and dispatch_quantized's arguments for them; gpt-oss: its biases,
+    activation and interleaved gate/up rows."""
+    w13, w2, s13, s2 = random_quantized(E, H, I, fmt, "cuda", g)
+    extra = {"w13_scale": s13, "w2_scale": s2}
     if fmt == "fp8":
-        def q(*shape):
-            return torch.randint(0, 0x78, shape, **kw).bitwise_or_(
-                torch.randint(0, 2, shape, **kw) << 7).view(torch.float8_e4m3fn)
-        s13 = torch.rand(E, -(-2 * I // 128), -(-H // 128), device="cuda", generator=g) * 2e-4
-        s2 = torch.rand(E, -(-H // 128), -(-I // 128), device="cuda", generator=g) * 2e-4
-        return q(E, 2 * I, H), q(E, H, I), {"w13_scale": s13, "w2_scale": s2, "block_shape": [128, 128]}
-    extra = {"w13_scale": torch.randint(118, 122, (E, 2 * I, H // 32), **kw),
-                 "w2_scale": torch.randint(118, 122, (E, H, I // 32), **kw)}
+        extra["block_shape"] = list(BLOCK_SHAPE)
     if gpt_oss:
         extra.update(activation="swiglu_oai", gate_up_interleaved=True,
                      w13_bias=torch.randn(E, 2 * I, device="cuda", generator=g).bfloat16(),
                      w2_bias=torch.randn(E, H, device="cuda", generator=g).bfloat16())
-    return (torch.randint(0, 256, (E, 2 * I, H // 2), **kw),
-            torch.randint(0, 256, (E, H, I // 2), **kw), extra)
+    return w13, w2, extra
 
 
 def parse_variant(spec: str) -> dict:

@@ -473,12 +473,26 @@ def _case_explain(rank, W, group, device, dtype):
 def _case_compiled(rank, W, group, device, dtype):
     """torch.compile (inductor): sync_free and replicated with fullgraph=True, the default
     all-to-all with its graph break; forward and backward equal eager's."""
+    import shutil
     import tempfile
 
-    # one inductor cache per rank (kept between runs): the ranks compile the same graphs at
-    # the same time
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
-                                                         f"moe_ops_ep_inductor_rank{rank}")
+    # one fresh inductor cache per rank and per run, removed afterwards: the ranks compile the
+    # same graphs at the same time, and a cache left by an earlier run (possibly from another
+    # checkout, with another op schema) must not be reused
+    cache = tempfile.mkdtemp(prefix=f"moe_ops_ep_inductor_rank{rank}_")
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    try:
+        _compiled_parity(rank, W, group, device, dtype)
+    finally:
+        if previous is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _compiled_parity(rank, W, group, device, dtype):
     E, H, I, K = 2 * W, 8, 6, 2
     w13, w2, per = _problem(W, E=E, H=H, I=I, K=K, tokens=[4] * W, seed=23, dtype=dtype,
                             device=device)

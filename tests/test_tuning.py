@@ -372,3 +372,37 @@ def test_tune_quick_uses_neighbours():
     got = tune.candidates(512, 8, 2, 4096, 14336, torch.bfloat16, "cuda", quick=True)
     assert got == list(neighbours(base).values())
     assert len(got) < len(tune.candidates(512, 8, 2, 4096, 14336, torch.bfloat16, "cuda"))
+
+
+def test_tune_shape_times_each_candidate_with_its_own_config(monkeypatch):
+    """tune_shape's timed call runs the candidate being measured (on the inputs of the token
+    count being tuned), and the fastest one is what goes in the table. The kernels and the
+    clock are stubbed: no interpreter needed."""
+    from moe_ops.tools import tune
+
+    calls = []
+
+    def fake_dispatch(hidden, *rest, config):
+        calls.append((hidden.shape[0], config))
+        return torch.ones(hidden.shape[0], hidden.shape[1])
+
+    timed = []
+
+    def fake_time(fn, device_type):
+        n = len(calls)
+        fn()
+        assert len(calls) == n + 1
+        timed.append(calls[-1])
+        return 2.0 if calls[-1][1] == cands[0] else 1.0   # the second candidate is faster
+
+    monkeypatch.setattr(tune, "dispatch_triton", fake_dispatch)
+    monkeypatch.setattr(tune, "_time", fake_time)
+    H, I, E, K = 24, 20, 4, 2
+    cands = tune.candidates(1, E, K, H, I, torch.float32, "cpu")
+    assert len(cands) == 2 and cands[0] != cands[1]
+    assert tune.candidates(9, E, K, H, I, torch.float32, "cpu") == cands
+    entry = tune.tune_shape(H, I, E, K, [1, 9], torch.float32, torch.device("cpu"),
+                            lambda desc: None)
+    assert timed == [(T, c) for T in (1, 9) for c in cands]
+    assert entry["configs"] == {"1": tables.config_to_dict(cands[1]),
+                                "9": tables.config_to_dict(cands[1])}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import sys
 import time
@@ -82,7 +83,7 @@ def tune_shape(H, I, E, K, tokens, dtype, device, progress, quick=False):
                 if not err <= (1e-2 if dtype != torch.float32 else 1e-4):
                     print(f"  rejected {cfg}: relative difference {err:.1e}", file=sys.stderr)
                     continue
-                ms = _time(lambda: dispatch_triton(*args, config=cfg), device.type)
+                ms = _time(functools.partial(dispatch_triton, *args, config=cfg), device.type)
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is skipped
                 print(f"  skipped {cfg}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
                 continue

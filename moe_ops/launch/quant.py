@@ -75,12 +75,16 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
     rows = T * K / max(E, 1)
     block_m = 16 if rows <= 16 else 32 if rows <= 48 else 64
     block_k = bk if fmt == "fp8" else 128
-    if fmt == "mxfp4" and rows >= 128:
-        # prefill: 128-row blocks decode each weight tile for twice the rows, and the products
-        # computed transposed with 4 warps: 1.25-1.34x of 64-row blocks at gpt-oss-20b
-        # T=2048/8192 on the H100 (docs/design.md)
-        return QuantDispatchConfig(block_m=128, block_n1=64, block_n2=128, block_k=block_k,
+    if fmt == "mxfp4" and rows >= 64:
+        # prefill: 128-row blocks decode each weight tile for twice the rows, the products
+        # computed transposed with 4 warps, 64-wide K steps: 1.07-1.57x of 64-row blocks at
+        # gpt-oss-20b/120b T=512..8192 on the H100 (docs/design.md)
+        return QuantDispatchConfig(block_m=128, block_n1=64, block_n2=128, block_k=64,
                                    group_m=8, num_warps=4, num_stages=3, mxfp4_swap_ab=True)
+    if fmt == "mxfp4" and rows <= 4:
+        # decode: narrower tiles, twice the programs: 1.04-1.14x at gpt-oss-20b T=1..32
+        return QuantDispatchConfig(block_m=block_m, block_n1=32, block_n2=64, block_k=block_k,
+                                   group_m=8, num_warps=4, num_stages=3)
     # W8A8: the gate+up tile is one bk group of the activation it quantizes (128 columns:
     # two [block_m, 128] float32 accumulators)
     return QuantDispatchConfig(block_m=block_m, block_n1=bk if quant_a else 64, block_n2=128,

@@ -77,8 +77,9 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
     block_k = bk if fmt == "fp8" else 128
     if fmt == "mxfp4" and rows >= 64:
         # prefill: 128-row blocks decode each weight tile for twice the rows, the products
-        # computed transposed with 4 warps, 64-wide K steps: 1.07-1.57x of 64-row blocks at
-        # gpt-oss-20b/120b T=512..8192 on the H100 (docs/design.md)
+        # computed transposed with 4 warps, 64-wide K steps: 1.07-1.15x of the same with
+        # 128-wide steps and 1.12-1.54x of 64-row blocks at gpt-oss-20b/120b T=512..8192 on
+        # the H100 (docs/design.md)
         return QuantDispatchConfig(block_m=128, block_n1=64, block_n2=128, block_k=64,
                                    group_m=8, num_warps=4, num_stages=3, mxfp4_swap_ab=True)
     if fmt == "mxfp4" and rows <= 4:

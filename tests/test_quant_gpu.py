@@ -227,6 +227,18 @@ def test_gradients_through_frozen_experts():
     assert rel_err(gh, rh) < 2e-2 and rel_err(gw, rw) < 1e-4
 
 
+def _gpt_oss_20b_mxfp4(T, seed):
+    """Random MXFP4 inputs at gpt-oss-20b's expert shape, with gpt-oss's variants:
+    (hidden, w13 blocks, w2 blocks, topk_weights, topk_ids, dispatch keyword arguments)."""
+    E, K, H, I = SHAPES["gpt_oss_20b"]
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    b13, b2, s13, s2 = mxfp4_weights(E, H, I, g)
+    hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+    tw, ids = _route(T, E, K, g)
+    kw = dict(w13_scale=s13, w2_scale=s2, activation="swiglu_oai", gate_up_interleaved=True)
+    return hidden, b13, b2, tw, ids, kw
+
+
 @pytest.mark.parametrize("T", [1, 128, 2048])
 def test_mxfp4_dot_scaled_matches(T):
     """The tl.dot_scaled form (QuantDispatchConfig.mxfp4_dot_scaled, an A/B candidate) agrees
@@ -238,11 +250,7 @@ def test_mxfp4_dot_scaled_matches(T):
     if not has_dot_scaled():
         pytest.skip("this Triton has no tl.dot_scaled")
     E, K, H, I = SHAPES["gpt_oss_20b"]
-    g = torch.Generator(device=DEV).manual_seed(200 + T)
-    b13, b2, s13, s2 = mxfp4_weights(E, H, I, g)
-    hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
-    tw, ids = _route(T, E, K, g)
-    kw = dict(w13_scale=s13, w2_scale=s2, activation="swiglu_oai", gate_up_interleaved=True)
+    hidden, b13, b2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 200 + T)
     cfg = dataclasses.replace(quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda"),
                               mxfp4_dot_scaled=True)
     out = dispatch_quantized(hidden, b13, b2, tw, ids, **kw, config=cfg)
@@ -313,11 +321,7 @@ def test_mxfp4_swap_ab_matches(T):
     from moe_ops.launch.quant import quant_dispatch_config
 
     E, K, H, I = SHAPES["gpt_oss_20b"]
-    g = torch.Generator(device=DEV).manual_seed(400 + T)
-    b13, b2, s13, s2 = mxfp4_weights(E, H, I, g)
-    hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
-    tw, ids = _route(T, E, K, g)
-    kw = dict(w13_scale=s13, w2_scale=s2, activation="swiglu_oai", gate_up_interleaved=True)
+    hidden, b13, b2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 400 + T)
     base = dataclasses.replace(quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda"),
                                mxfp4_swap_ab=False)
     plain = dispatch_quantized(hidden, b13, b2, tw, ids, **kw, config=base)

@@ -6,6 +6,7 @@ path; every path has a fallback that runs on the oldest supported Triton (3.6).
 |---|---|---|
 | host tensor descriptors (triton.tools.tensor_descriptor) | 3.4 | TMA weight and activation tiles (sm_90+) |
 | tl.dot_scaled | 3.3 | an optional MXFP4 path (QuantDispatchConfig.mxfp4_dot_scaled, off by default until measured); the default decodes MXFP4 to bf16 in registers on every version |
+| tl.inline_asm_elementwise with PTX `mul.rn.bf16x2` | 3.0 (sm_90 for the instruction) | the MXFP4 pair decode (QuantDispatchConfig.mxfp4_asm_decode) |
 | Gluon Hopper TMA load (`async_copy_global_to_shared` / `async_load`) | 3.6 / 3.8 | not used yet |
 | Gluon TMA multicast in CTA clusters (`multicast=`) | 3.7 | not used yet |
 | warp specialisation (`tl.range(warp_specialize=True)`) | 3.4 | not used: on Triton 3.6 / H200 its kernels returned NaN and stale tiles beside another process using the GPU (docs/design.md) |
@@ -73,6 +74,19 @@ def gluon_tma_multicast() -> bool:
         return "multicast" in inspect.signature(getattr(tma, name)).parameters
     except (TypeError, ValueError):
         return False
+
+
+def inline_ptx(device) -> bool:
+    """Whether the MXFP4 pair decode's inline PTX runs on `device`: Triton's
+    inline_asm_elementwise and a CUDA GPU of compute capability 9.0 or newer (bf16x2 `mul.rn`)."""
+    try:
+        import torch
+        import triton.language as tl
+    except ImportError:
+        return False
+    if getattr(device, "type", device) != "cuda" or not hasattr(tl, "inline_asm_elementwise"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def warp_specialization_safe() -> bool:

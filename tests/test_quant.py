@@ -668,6 +668,34 @@ def test_fp8_prequantized_hidden_is_the_fused_arithmetic(interpreter, monkeypatc
         assert torch.equal(pre, fused)
 
 
+def test_fp8_act_quant_in_down_is_the_epilogue_arithmetic(interpreter):
+    """W8A8 with the activation quantized in the down GEMM's gather
+    (QuantDispatchConfig.act_quant_in_down: float32 act between the kernels) gives the
+    epilogue's quantization bit for bit at the same tiles; narrower gate+up tiles, which only
+    this form allows, agree to float32 rounding and with the W8A8 reference; without the flag
+    a gate+up tile that is not one bk group is refused."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+
+    for T in (1, 13):
+        args, kw = fp8_inputs(T, 64, 64, 4, 2, (16, 32), routing="negative")
+        h = args[0]
+        base = quant_dispatch_config(T, 4, 2, 64, 64, "fp8", 32, "cpu", quant_a=True)
+        assert base.block_n1 == 32 and not base.act_quant_in_down
+        epi = dispatch_quantized(*args, **kw, config=base, out=_poisoned(h))
+        down = dispatch_quantized(*args, **kw, out=_poisoned(h),
+                                  config=dataclasses.replace(base, act_quant_in_down=True))
+        assert torch.isfinite(down).all() and torch.equal(down, epi)
+        narrow = dispatch_quantized(*args, **kw, out=_poisoned(h), config=dataclasses.replace(
+            base, act_quant_in_down=True, block_n1=16))
+        assert rel_err(narrow, epi.double()) < 1e-6
+        same_q, _ = _errors(narrow, args, kw)
+        assert same_q < 1e-4, same_q
+    with pytest.raises(ValueError, match="block_n1"):
+        dispatch_quantized(*args, **kw, config=dataclasses.replace(base, block_n1=16))
+
+
 def test_fp8_scalar_weight_scale(interpreter):
     """Tiles inside one [bn, bk] scale block read one scalar scale per K step (the default
     where the layout allows it); the per-column form agrees to float32 rounding."""

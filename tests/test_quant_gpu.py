@@ -261,8 +261,8 @@ def test_mxfp4_dot_scaled_matches(T):
 
 @pytest.mark.parametrize("T", [1, 64, 700])
 def test_mxfp4_bit_decode_matches_arithmetic_decode(T):
-    """The bit-placement decode (QuantDispatchConfig.mxfp4_bit_decode, bf16 activations) gives
-    the arithmetic decode's values, so the same outputs bit for bit, including the e8m0 scales
+    """The bit-placement decode (QuantDispatchConfig.mxfp4_bit_decode, bf16 activations) and its
+    inline-PTX form (mxfp4_asm_decode) give the arithmetic decode's values, so the same outputs bit for bit, including the e8m0 scales
     that take the subnormal (0, 1, 2) and the two-factor (> 128) branches."""
     import dataclasses
 
@@ -281,13 +281,14 @@ def test_mxfp4_bit_decode_matches_arithmetic_decode(T):
     kw = dict(w13_scale=s13, w2_scale=s2, activation="swiglu_oai", gate_up_interleaved=True)
     cfg = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda")
     outs = []
-    for bits in (True, False):
+    for bits, asm in ((True, False), (False, False), (True, True)):
         out = torch.full((T, H), float("nan"), device=DEV, dtype=torch.bfloat16)
         dispatch_quantized(hidden, b13, b2, tw, ids, **kw, out=out, config=dataclasses.replace(
-            cfg, mxfp4_bit_decode=bits, mxfp4_dot_scaled=False))
+            cfg, mxfp4_bit_decode=bits, mxfp4_asm_decode=asm, mxfp4_dot_scaled=False))
         outs.append(out)
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[2], outs[1])    # the inline-PTX pair decode
     assert rel_err(outs[0], quantized_dispatch_reference(hidden, b13, b2, tw, ids, **kw)) <= 1e-2
 
 

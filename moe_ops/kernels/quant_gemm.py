@@ -140,6 +140,41 @@ def mxfp4_tile_bits(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl
     return tl.reshape(v, (BN, BLOCK_K)).to(OP_DTYPE)
 
 
+# One packed byte (given twice, as the 16-bit pair of the joined tile) -> its two values as a
+# bf16x2 register (low nibble in the low half: the k pair the MMA operand holds in one
+# register), scaled by the bf16x2 factors $2 and $3: the byte is spread to a nibble per 16-bit
+# half (x = b * 0x00010010: the low nibble at bits 4-7 of the low half, the high nibble at bits
+# 4-7 of the high half), each nibble's exponent and mantissa bits moved to bf16's bits 6-8 and
+# its sign to bit 15, then two packed multiplications.
+_MXFP4_PAIR_ASM = tl.constexpr("""{
+.reg .b32 t, x, y, z;
+cvt.u32.u16 t, $1;
+mul.lo.u32 x, t, 65552;
+shl.b32 y, x, 2;
+shl.b32 z, x, 8;
+and.b32 z, z, 0x80008000;
+and.b32 y, y, 0x01C001C0;
+or.b32 y, y, z;
+mul.rn.bf16x2 y, y, $2;
+mul.rn.bf16x2 $0, y, $3;
+}""")
+
+
+@triton.jit
+def mxfp4_tile_asm(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """mxfp4_tile_bits' values and arithmetic (bf16 only), in inline PTX over bf16x2 pairs:
+    one byte gives one register of the MMA operand, with packed multiplications."""
+    s16 = sc.to(tl.int16)
+    f1 = ((tl.minimum(s16, 128) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    f2 = tl.where(s16 == 255, 0x7F80, (tl.maximum(s16, 128) - 1) << 7).to(tl.int16)
+    f2 = f2.to(tl.bfloat16, bitcast=True)
+    f1 = tl.reshape(tl.broadcast_to(f1[:, :, None], (BN, BLOCK_K // 32, 32)), (BN, BLOCK_K))
+    f2 = tl.reshape(tl.broadcast_to(f2[:, :, None], (BN, BLOCK_K // 32, 32)), (BN, BLOCK_K))
+    p2 = tl.reshape(tl.join(p, tl.zeros_like(p)), (BN, BLOCK_K))
+    return tl.inline_asm_elementwise(_MXFP4_PAIR_ASM, "=r,h,r,r", [p2, f1, f2],
+                                     dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
 @triton.jit
 def quantize_rows(a, EMULATE: tl.constexpr):
     """(q, scale) of a float32 [M, BLOCK_K] tile quantized per row (one bk group): amax over
@@ -158,10 +193,22 @@ def quantize_rows(a, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def k_in_range(offs, rem, EVEN_K: tl.constexpr):
+    """offs < rem, the K tail's mask; EVEN_K (the reduction length is a multiple of the K
+    step): a constant true mask, which the compiler folds out of every load."""
+    if EVEN_K:
+        m = tl.full(offs.shape, 1, tl.int1)
+    else:
+        m = offs < rem
+    return m
+
+
+@triton.jit
 def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl.constexpr,
                 WFMT: tl.constexpr, QUANT_A: tl.constexpr, EMULATE: tl.constexpr,
                 BLOCK_K: tl.constexpr, SCALAR_SCALE: tl.constexpr = False,
-                BIT_DECODE: tl.constexpr = False, SWAP_AB: tl.constexpr = False):
+                BIT_DECODE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+                EVEN_K: tl.constexpr = False):
     """(b [BLOCK_K, BLOCK_N], per-column scale [BLOCK_N] float32) of reduction columns
     k0..k0+BLOCK_K of the weight rows starting at the pointers `w_rows` (masked by wmask), whose
     scales start at `s_rows` (FP8: the row's [bn, bk] block row; MXFP4: the row's scales). FP8:
@@ -172,7 +219,7 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
     [BLOCK_N, BLOCK_K], the left operand of the transposed product (mma_step)."""
     if WFMT == 1:
         offs_k = tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K - k0
+        k_mask = k_in_range(offs_k, K - k0, EVEN_K)
         b = tl.load(w_rows[None, :] + (k0 + offs_k)[:, None] * stride_wk,
                     mask=k_mask[:, None] & wmask[None, :], other=0.0)
         if SCALAR_SCALE:
@@ -187,14 +234,16 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
         # [BN, BLOCK_K // 2] packed bytes -> [BN, BLOCK_K] values, low nibble first
         BN: tl.constexpr = w_rows.shape[0]
         offs_p = tl.arange(0, BLOCK_K // 2)
-        p_mask = offs_p < (K - k0) // 2
+        p_mask = k_in_range(offs_p, (K - k0) // 2, EVEN_K)
         p = tl.load(w_rows[:, None] + (k0 // 2 + offs_p)[None, :] * stride_wk,
                     mask=wmask[:, None] & p_mask[None, :], other=0)
         offs_g = tl.arange(0, BLOCK_K // 32)
-        g_mask = offs_g < (K - k0) // 32
+        g_mask = k_in_range(offs_g, (K - k0) // 32, EVEN_K)
         sc = tl.load(s_rows[:, None] + (k0 // 32 + offs_g)[None, :] * stride_sk,
                      mask=wmask[:, None] & g_mask[None, :], other=0)
-        if BIT_DECODE:
+        if BIT_DECODE == 2:
+            v = mxfp4_tile_asm(p, sc, BN, BLOCK_K)
+        elif BIT_DECODE:
             v = mxfp4_tile_bits(p, sc, BN, BLOCK_K, OP_DTYPE)
         else:
             p = p.to(tl.int32)
@@ -210,11 +259,11 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
         # WFMT 3 (MXFP4 through tl.dot_scaled): the packed tile as it is, [BLOCK_K // 2, BN]
         # (k pairs down, low nibble = even k), and its e8m0 bytes [BN, BLOCK_K // 32]
         offs_p = tl.arange(0, BLOCK_K // 2)
-        p_mask = offs_p < (K - k0) // 2
+        p_mask = k_in_range(offs_p, (K - k0) // 2, EVEN_K)
         b = tl.load(w_rows[None, :] + (k0 // 2 + offs_p)[:, None] * stride_wk,
                     mask=p_mask[:, None] & wmask[None, :], other=0)
         offs_g = tl.arange(0, BLOCK_K // 32)
-        g_mask = offs_g < (K - k0) // 32
+        g_mask = k_in_range(offs_g, (K - k0) // 32, EVEN_K)
         scale = tl.load(s_rows[:, None] + (k0 // 32 + offs_g)[None, :] * stride_sk,
                         mask=wmask[:, None] & g_mask[None, :], other=0)
     return b, scale
@@ -296,12 +345,14 @@ def quant_gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DIRECT: tl.constexpr, A_PREQUANT: tl.constexpr = False, SCALAR_SCALE: tl.constexpr = False,
     BIT_DECODE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+    ACT_F32: tl.constexpr = False, EVEN_K: tl.constexpr = False,
 ):
     """A_PREQUANT (W8A8): x_ptr is hidden already quantized per token and bk columns by
     quantize_groups_kernel (e4m3, scales at xs_ptr [T, H / bk]): the same values load_a would
     compute, once per token instead of once per program. SWAP_AB (MXFP4): the products are
     computed transposed (weights x rows^T, accumulators [BLOCK_N, BLOCK_M]) and turned back
-    once, before the epilogue."""
+    once, before the epilogue. ACT_F32 (W8A8): act is stored unquantized in float32 and the down
+    kernel quantizes it in its gather (QUANT_GATHER), so BLOCK_N need not be one bk group."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -341,7 +392,7 @@ def quant_gate_up_kernel(
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        k_mask = offs_k < H - k0
+        k_mask = k_in_range(offs_k, H - k0, EVEN_K)
         if A_PREQUANT:
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
             a_scale = tl.load(xs_ptr + tok * stride_xs + k0 // BLOCK_K, mask=row_valid,
@@ -350,11 +401,11 @@ def quant_gate_up_kernel(
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A, WEIGHTS_ON_INPUT,
                                 OP_DTYPE, EMULATE)
         bg, sg = weight_tile(g_w, g_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB)
+                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K)
         acc_g = mma_step(acc_g, a, a_scale, bg, sg, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
                          SWAP_AB)
         bu, su = weight_tile(u_w, u_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB)
+                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K)
         acc_u = mma_step(acc_u, a, a_scale, bu, su, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
                          SWAP_AB)
         a_ptrs += BLOCK_K * stride_xh
@@ -366,7 +417,7 @@ def quant_gate_up_kernel(
         acc_g += tl.load(b_base + g_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_base + u_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     act = activate(acc_g, acc_u, alpha, limit, ACTIVATION)
-    if QUANT_A:
+    if QUANT_A and not ACT_F32:
         # the down GEMM's A, quantized here once (BLOCK_N == bk: this tile is one bk group of
         # each row), from the float32 values: e4m3 act (its float32 value under EMULATE) and
         # one scale per row and group
@@ -388,8 +439,12 @@ def quant_down_kernel(
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DIRECT: tl.constexpr,
     SCALAR_SCALE: tl.constexpr = False, BIT_DECODE: tl.constexpr = False,
-    SWAP_AB: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False, QUANT_GATHER: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,
 ):
+    """QUANT_GATHER (W8A8): act is the gate+up kernel's float32 output (ACT_F32), quantized
+    here per row and bk columns (BLOCK_K == bk) by the epilogue's arithmetic: the same e4m3
+    values and scales, computed once per N tile instead of once per row."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, H, BLOCK_N, GROUP_M)
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -414,15 +469,17 @@ def quant_down_kernel(
     else:
         s_n = s_ptr + e * stride_se + offs_n64 * stride_sn
     for k0 in range(0, I, BLOCK_K):
-        k_mask = offs_k < I - k0
-        if QUANT_A:   # act was quantized by the gate+up kernel: e4m3 tile and row scales
+        k_mask = k_in_range(offs_k, I - k0, EVEN_K)
+        if QUANT_GATHER:   # float32 act, quantized here
+            a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, True, False, OP_DTYPE, EMULATE)
+        elif QUANT_A:   # act was quantized by the gate+up kernel: e4m3 tile and row scales
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
             a_scale = tl.load(act_scale_ptr + rows * stride_as + k0 // BLOCK_K, mask=row_valid,
                               other=0.0)
         else:
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, False, False, OP_DTYPE, EMULATE)
         b, sb = weight_tile(w_n, s_n, n_mask, k0, I, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                            QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB)
+                            QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K)
         acc = mma_step(acc, a, a_scale, b, sb, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
                        SWAP_AB)
         a_ptrs += BLOCK_K

@@ -43,6 +43,9 @@ class QuantDispatchConfig:
     mxfp4_dot_scaled: bool = False
     # MXFP4 decoded by bit placement (quant_gemm.mxfp4_tile_bits; GPU, bfloat16 activations)
     mxfp4_bit_decode: bool = True
+    # the bit-placement decode written in inline PTX over bf16x2 pairs (quant_gemm.mxfp4_tile_asm:
+    # one byte gives one MMA operand register, packed multiplications); with mxfp4_bit_decode
+    mxfp4_asm_decode: bool = False
     # MXFP4 products computed transposed (decoded weights x rows^T): the decoded tile is the
     # MMA's left operand, which Hopper's wgmma reads from registers (no trip through shared
     # memory); the row block becomes the MMA's N (8..256), so decode tiles stay small
@@ -55,6 +58,10 @@ class QuantDispatchConfig:
     # program's gather (not with weights_on_input, whose rows are scaled per slot first);
     # 1.02-1.48x on the H200 (docs/design.md)
     prequantize_hidden: bool = True
+    # W8A8: the gate+up GEMM stores the activation in float32 and the down GEMM quantizes it in
+    # its gather (the same e4m3 values and scales as the epilogue's quantization), so block_n1
+    # need not be bk: at decode, narrower gate+up tiles give more programs
+    act_quant_in_down: bool = False
 
 
 def has_dot_scaled() -> bool:
@@ -130,9 +137,11 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     if fmt == "fp8" and cfg.block_k != bk:
         raise ValueError(f"config.block_k must equal the FP8 block_shape's bk = {bk}, got "
                          f"{cfg.block_k}")
-    if quant_a and cfg.block_n1 != bk:
+    act_f32 = quant_a and cfg.act_quant_in_down
+    if quant_a and not act_f32 and cfg.block_n1 != bk:
         raise ValueError(f"config.block_n1 must equal bk = {bk} for W8A8 (the gate+up tile is "
-                         f"one activation group of the down GEMM), got {cfg.block_n1}")
+                         f"one activation group of the down GEMM) unless act_quant_in_down, "
+                         f"got {cfg.block_n1}")
     if fmt == "mxfp4" and cfg.block_k % 32:
         raise ValueError(f"config.block_k must be a multiple of 32 for MXFP4, got {cfg.block_k}")
     # dot_scaled: GPU with 16-bit activations, or the interpreter with float16 ones (its bf16
@@ -155,7 +164,10 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     # The interpreter rounds float32 -> bfloat16 stores by truncation (about half of random
     # values differ from torch's rounding): bf16 intermediates stay float32 there.
     inter = torch.float32 if emulate and hidden.dtype == torch.bfloat16 else hidden.dtype
-    if quant_a:   # e4m3 act (its float32 values in the interpreter) and a scale per bk group
+    if act_f32:   # float32 act, quantized by the down GEMM's gather
+        act = torch.empty(al.max_rows, I, dtype=torch.float32, device=dev)
+        act_scale = act
+    elif quant_a:   # e4m3 act (its float32 values in the interpreter) and a scale per bk group
         act = torch.empty(al.max_rows, I, device=dev,
                           dtype=torch.float32 if emulate else torch.float8_e4m3fn)
         act_scale = torch.empty(al.max_rows, cdiv(I, bk), dtype=torch.float32, device=dev)
@@ -169,6 +181,8 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     group_m = max(cfg.group_m, next_pow2(n_blocks)) if direct else cfg.group_m
     bit_decode = (wfmt == 2 and cfg.mxfp4_bit_decode and not emulate
                   and op_dtype == tl.bfloat16)
+    if bit_decode and cfg.mxfp4_asm_decode and _features.inline_ptx(dev):
+        bit_decode = 2
     common = dict(WFMT=wfmt, QUANT_A=quant_a, EMULATE=emulate, OP_DTYPE=op_dtype,
                   DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
                   GROUP_M=group_m, DIRECT=direct, num_warps=cfg.num_warps,
@@ -195,7 +209,8 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         act.stride(0), act_scale, act_scale.stride(0), *rows_args.values(), xs, xs.stride(0),
         ACTIVATION=ACTIVATIONS.index(activation), INTERLEAVED=bool(gate_up_interleaved),
         HAS_BIAS=w13_bias is not None, WEIGHTS_ON_INPUT=bool(weights_on_input),
-        BLOCK_N=cfg.block_n1, A_PREQUANT=prequant, SCALAR_SCALE=scalar13, **common,
+        BLOCK_N=cfg.block_n1, A_PREQUANT=prequant, SCALAR_SCALE=scalar13, ACT_F32=act_f32,
+        EVEN_K=H % cfg.block_k == 0, **common,
     )
     kernel_for(quant_down_kernel, dev)[(n_blocks * cdiv(H, cfg.block_n2),)](
         act, w2_k, w2_scale, b2, topk_weights, y, al.sorted_slots, al.block_expert, al.num_rows,
@@ -205,7 +220,8 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         b2.stride(0), b2.stride(1), topk_weights.stride(0), topk_weights.stride(1), y.stride(0),
         act_scale, act_scale.stride(0), *rows_args.values(),
         HAS_BIAS=w2_bias is not None, HAS_WEIGHTS=not weights_on_input,
-        BLOCK_N=cfg.block_n2, SCALAR_SCALE=scalar2, **common,
+        BLOCK_N=cfg.block_n2, SCALAR_SCALE=scalar2, QUANT_GATHER=act_f32,
+        EVEN_K=I % cfg.block_k == 0, **common,
     )
     if inter != out.dtype:
         out32 = torch.empty(T, H, dtype=inter, device=dev)

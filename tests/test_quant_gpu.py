@@ -137,6 +137,30 @@ def test_deterministic_and_row_independent(quantize_activations):
     assert torch.equal(a[0], b[0])
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_batch_invariance(fmt):
+    """Token 0's output is bitwise the same at T = 1, 8, 128 and 2048 (the heuristic picks
+    different tiles and paths across these T), W8A8 at Qwen3-30B-A3B's shape and MXFP4 at
+    gpt-oss-20b's."""
+    Tmax = 2048
+    if fmt == "fp8":
+        E, K, H, I = SHAPES["qwen3_30b_a3b"]
+        g = torch.Generator(device=DEV).manual_seed(500)
+        q13, q2, s13, s2 = fp8_weights(E, H, I, g)
+        hidden = torch.randn(Tmax, H, device=DEV, generator=g).bfloat16()
+        tw, ids = _route(Tmax, E, K, g)
+        w, kw = (q13, q2), dict(w13_scale=s13, w2_scale=s2, block_shape=[128, 128])
+    else:
+        hidden, b13, b2, tw, ids, kw = _gpt_oss_20b_mxfp4(Tmax, 501)
+        w = (b13, b2)
+    outs = {}
+    for T in (1, 8, 128, Tmax):
+        outs[T] = torch.ops.moe.dispatch(hidden[:T], *w, tw[:T], ids[:T], **kw)[0]
+    assert torch.isfinite(outs[1]).all()
+    for T in (8, 128, Tmax):
+        assert torch.equal(outs[T], outs[1]), (T, (outs[T].float() - outs[1].float()).abs().max())
+
+
 def test_no_host_sync():
     args, kw = _small_fp8()
     torch.ops.moe.dispatch(*args, **kw)   # compile first

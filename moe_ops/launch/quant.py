@@ -44,8 +44,10 @@ class QuantDispatchConfig:
     # MXFP4 decoded by bit placement (quant_gemm.mxfp4_tile_bits; GPU, bfloat16 activations)
     mxfp4_bit_decode: bool = True
     # the bit-placement decode written in inline PTX over bf16x2 pairs (quant_gemm.mxfp4_tile_asm:
-    # one byte gives one MMA operand register, packed multiplications); with mxfp4_bit_decode
-    mxfp4_asm_decode: bool = False
+    # one byte gives one MMA operand register, packed multiplications); with mxfp4_bit_decode,
+    # where _features.inline_ptx (sm_90+). H100: 1.07-1.21x at gpt-oss-20b/120b T=1..8192
+    # (docs/design.md)
+    mxfp4_asm_decode: bool = True
     # MXFP4 products computed transposed (decoded weights x rows^T): the decoded tile is the
     # MMA's left operand, which Hopper's wgmma reads from registers (no trip through shared
     # memory); the row block becomes the MMA's N (8..256), so decode tiles stay small
@@ -89,14 +91,27 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
         # the H100 (docs/design.md)
         return QuantDispatchConfig(block_m=128, block_n1=64, block_n2=128, block_k=64,
                                    group_m=8, num_warps=4, num_stages=3, mxfp4_swap_ab=True)
-    if fmt == "mxfp4" and rows <= 4:
-        # decode: narrower tiles, twice the programs: 1.04-1.14x at gpt-oss-20b T=1..32
-        return QuantDispatchConfig(block_m=block_m, block_n1=32, block_n2=64, block_k=block_k,
-                                   group_m=8, num_warps=4, num_stages=3)
-    # W8A8: the gate+up tile is one bk group of the activation it quantizes (128 columns:
-    # two [block_m, 128] float32 accumulators)
-    return QuantDispatchConfig(block_m=block_m, block_n1=bk if quant_a else 64, block_n2=128,
-                               block_k=block_k,
+    if fmt == "mxfp4":
+        # Below 64 rows per expert: transposed too, 64-wide weight tiles, so that every T runs
+        # wgmma (64 weight rows as the MMA's M); mma.sync sums the decoded tile in another order
+        # (relative difference 3e-5..1e-4), which made a token's output depend on the batch.
+        # H100, against the earlier untransposed 32/64-wide tiles: gpt-oss-20b T=1 76.8 -> 85.0
+        # us (0.90x), T=8/32/128 1.02/1.03/1.04x; 64-wide K steps from T=32 on (1.03-1.05x;
+        # at T=1 0.77x).
+        return QuantDispatchConfig(block_m=block_m, block_n1=64, block_n2=64,
+                                   block_k=64 if T >= 32 else 128, group_m=8, num_warps=4,
+                                   num_stages=3, mxfp4_swap_ab=True)
+    if fmt == "fp8":
+        # 64-row blocks and 8 warps at every T: Hopper's FP8 wgmma (64-row tiles) and mma.sync
+        # (16/32-row tiles) round their float32 sums differently (relative difference 5e-3 on
+        # the H100), so one MMA kind at every T keeps a token's output independent of the batch;
+        # at decode this costs 0-3% (H100: Qwen3-30B-A3B T=1/8/128 41.9/120.5/252.8 ->
+        # 41.8/124.5/260.0 us, DeepSeek-V3 T=1/128 155.9/3861 -> 153.6/3872). The gate+up tile
+        # is one bk group of the activation it quantizes (128 columns: two [64, 128] float32
+        # accumulators).
+        return QuantDispatchConfig(block_m=64, block_n1=bk if quant_a else 64, block_n2=128,
+                                   block_k=block_k, group_m=8, num_warps=8, num_stages=3)
+    return QuantDispatchConfig(block_m=block_m, block_n1=64, block_n2=128, block_k=block_k,
                                group_m=8, num_warps=4 if block_m < 64 else 8,
                                num_stages=3)
 

@@ -21,6 +21,7 @@ from moe_ops.kernels.quant_gemm import (
 from moe_ops.launch._common import kernel_for
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import DirectRows, combine_triton
+from moe_ops.launch.fast import launch_key, tensor_key
 from moe_ops.ops.quant_checks import ACTIVATIONS, check_quantized_dispatch
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -165,6 +166,13 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
               and (hidden.dtype == torch.float16
                    or (hidden.dtype == torch.bfloat16 and not emulate)))
     wfmt = 1 if fmt == "fp8" else 3 if scaled else 2
+    # Fast launch (moe_ops.launch.fast): every argument of this call's launches is a function
+    # of these and of the buffers allocated below (their alignment: launch_key).
+    key = (cfg, fmt, bn, bk, quant_a, scaled, activation, float(alpha), float(limit),
+           bool(gate_up_interleaved), bool(weights_on_input), tensor_key(hidden),
+           tensor_key(w13), tensor_key(w2), _opt_key(w13_scale), _opt_key(w2_scale),
+           tensor_key(topk_weights), tensor_key(topk_ids), tensor_key(out),
+           _opt_key(w13_bias), _opt_key(w2_bias)) if not emulate else None
     # The interpreter decodes fp8 weights from their bits (its fp8 loads read NaN as 480).
     w13_k = w13.view(torch.uint8) if emulate and fmt == "fp8" else w13
     w2_k = w2.view(torch.uint8) if emulate and fmt == "fp8" else w2
@@ -212,10 +220,14 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         x = torch.empty(T, H, device=dev, dtype=torch.float32 if emulate else torch.float8_e4m3fn)
         xs = torch.empty(T, cdiv(H, bk), dtype=torch.float32, device=dev)
         block_t = 16 if emulate else 32
-        kernel_for(quantize_groups_kernel, dev)[(cdiv(T, block_t), cdiv(H, bk))](
+        fk = launch_key(key and (key, "quantize"), x, xs)
+        kernel_for(quantize_groups_kernel, dev, fk)[(cdiv(T, block_t), cdiv(H, bk))](
             hidden, x, xs, T, H, hidden.stride(0), hidden.stride(1), x.stride(0), xs.stride(0),
             EMULATE=emulate, BLOCK_T=block_t, BLOCK_K=bk, num_warps=4)
-    kernel_for(quant_gate_up_kernel, dev)[(n_blocks * cdiv(I, cfg.block_n1),)](
+    bufs = (act, act_scale, y) + (() if direct else (al.sorted_slots, al.block_expert,
+                                                     al.num_rows))
+    fk = launch_key(key and (key, "gate_up"), x, xs, *bufs)
+    kernel_for(quant_gate_up_kernel, dev, fk)[(n_blocks * cdiv(I, cfg.block_n1),)](
         x, w13_k, w13_scale, b13, topk_weights, act, al.sorted_slots, al.block_expert,
         al.num_rows, n_slots, H, I, K, n_blocks, bn, float(alpha), float(limit),
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
@@ -227,7 +239,8 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         BLOCK_N=cfg.block_n1, A_PREQUANT=prequant, SCALAR_SCALE=scalar13, ACT_F32=act_f32,
         EVEN_K=H % cfg.block_k == 0, **common,
     )
-    kernel_for(quant_down_kernel, dev)[(n_blocks * cdiv(H, cfg.block_n2),)](
+    fk = launch_key(key and (key, "down"), *bufs)
+    kernel_for(quant_down_kernel, dev, fk)[(n_blocks * cdiv(H, cfg.block_n2),)](
         act, w2_k, w2_scale, b2, topk_weights, y, al.sorted_slots, al.block_expert, al.num_rows,
         n_slots, H, I, K, n_blocks, bn,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
@@ -242,5 +255,9 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         out32 = torch.empty(T, H, dtype=inter, device=dev)
         combine_triton(y, topk_ids, out32, E)
         return out.copy_(out32)
-    combine_triton(y, topk_ids, out, E)
+    combine_triton(y, topk_ids, out, E, key=key)
     return out
+
+
+def _opt_key(t):
+    return None if t is None else tensor_key(t)

@@ -653,7 +653,7 @@ def test_fp8_prequantized_hidden_is_the_fused_arithmetic(interpreter, monkeypatc
 
     launched = []
     real = lq.kernel_for
-    monkeypatch.setattr(lq, "kernel_for", lambda k, d: launched.append(k) or real(k, d))
+    monkeypatch.setattr(lq, "kernel_for", lambda k, d, key=None: launched.append(k) or real(k, d, key))
     args, kw = fp8_inputs(13, 64, 32, 4, 2, (16, 32), routing="negative")
     h = args[0]
     base = lq.quant_dispatch_config(13, 4, 2, 64, 32, "fp8", 32, "cpu", quant_a=True)

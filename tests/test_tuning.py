@@ -406,3 +406,22 @@ def test_tune_shape_times_each_candidate_with_its_own_config(monkeypatch):
     assert timed == [(T, c) for T in (1, 9) for c in cands]
     assert entry["configs"] == {"1": tables.config_to_dict(cands[1]),
                                 "9": tables.config_to_dict(cands[1])}
+
+
+def test_tune_shape_with_no_usable_candidate_names_the_shape(monkeypatch):
+    """A token count whose every candidate fails (compile error, launch error) gets an error that
+    names the shape and T, not a TypeError from the empty best."""
+    from moe_ops.tools import tune
+
+    def fake_dispatch(hidden, *rest, config):
+        if config != heuristic:
+            raise RuntimeError("out of resources")
+        return torch.ones(hidden.shape[0], hidden.shape[1])
+
+    H, I, E, K = 24, 20, 4, 2
+    heuristic = tune.heuristic_config(1, E, K, H, I, "cpu", torch.float32)
+    monkeypatch.setattr(tune, "dispatch_triton", fake_dispatch)
+    monkeypatch.setattr(tune, "candidates", lambda *a, **k: [tune.dataclasses.replace(
+        heuristic, num_warps=heuristic.num_warps * 2)])
+    with pytest.raises(RuntimeError, match=r"every candidate .* H=24 I=20 E=4 K=2 T=1"):
+        tune.tune_shape(H, I, E, K, [1], torch.float32, torch.device("cpu"), lambda desc: None)

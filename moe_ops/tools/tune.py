@@ -89,6 +89,10 @@ def tune_shape(H, I, E, K, tokens, dtype, device, progress, quick=False):
                 continue
             if best is None or ms < best[0]:
                 best = (ms, cfg)
+        if best is None:
+            raise RuntimeError(
+                f"moe-ops-tune: every candidate config failed or was rejected at H={H} I={I} "
+                f"E={E} K={K} T={T} (the reasons are printed above); no table was written")
         print(f"H={H} I={I} E={E} K={K} T={T}: best {best[0] * 1e3:.1f} us {best[1]}")
         configs[str(T)] = config_to_dict(best[1])
         del args, ref

@@ -641,6 +641,30 @@ def test_mxfp4_swap_ab_path(interpreter, T):
     assert rel_err(out, plain.double()) < 1e-5
 
 
+@pytest.mark.parametrize("T", [1, 7])
+def test_mxfp4_scale_prefetch_is_bit_equal(interpreter, T):
+    """MXFP4 scales loaded one K step ahead (QuantDispatchConfig.mxfp4_scale_prefetch) give the
+    in-step load's output bit for bit, with a K tail (H = 96, K step 64) and a
+    dropped id, plain and transposed products (K steps 32 and 64: three and two steps)."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+
+    args, kw, biases = mxfp4_inputs(T, 96, 64, 4, 2, routing="negative")
+    more = dict(activation="swiglu_oai", gate_up_interleaved=True, **biases)
+    base = quant_dispatch_config(T, 4, 2, 96, 64, "mxfp4", 32, "cpu")
+    ref = quantized_dispatch_reference(*args, **kw, **more)
+    for swap, bk in [(False, 32), (True, 32), (True, 64)]:
+        outs = []
+        for prefetch in (False, True):
+            out = _poisoned(args[0])
+            dispatch_quantized(*args, **kw, **more, out=out, config=dataclasses.replace(
+                base, block_k=bk, mxfp4_swap_ab=swap, mxfp4_scale_prefetch=prefetch))
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), (swap, bk)
+        assert rel_err(outs[1], ref) < 1e-5
+
+
 # ---------------------------------------------------------------- config paths
 
 def test_fp8_prequantized_hidden_is_the_fused_arithmetic(interpreter, monkeypatch):

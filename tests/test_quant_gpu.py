@@ -359,6 +359,28 @@ def test_mxfp4_swap_ab_matches(T):
         assert rel_err(out, ref) <= 1e-2, bm
 
 
+@pytest.mark.parametrize("T", [1, 128, 2048])
+def test_mxfp4_scale_prefetch_is_bit_equal(T):
+    """MXFP4 scales loaded one K step ahead (QuantDispatchConfig.mxfp4_scale_prefetch, the
+    default) give the in-step load's output bit for bit at gpt-oss-20b's shape."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+
+    E, K, H, I = SHAPES["gpt_oss_20b"]
+    hidden, b13, b2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 600 + T)
+    base = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda")
+    assert base.mxfp4_scale_prefetch
+    outs = []
+    for prefetch in (False, True):
+        out = torch.full((T, H), float("nan"), device=DEV, dtype=torch.bfloat16)
+        dispatch_quantized(hidden, b13, b2, tw, ids, **kw, out=out,
+                           config=dataclasses.replace(base, mxfp4_scale_prefetch=prefetch))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[1], quantized_dispatch_reference(hidden, b13, b2, tw, ids, **kw)) <= 1e-2
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("T", [1, 8, 300])
 def test_fast_launch_repeated_and_misaligned_calls(fmt, T, monkeypatch):

@@ -204,11 +204,25 @@ def k_in_range(offs, rem, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def mxfp4_scales(s_rows, wmask, k0, K, stride_sk, BLOCK_K: tl.constexpr):
+    """The e8m0 scale bytes [BN, BLOCK_K // 32] of reduction columns k0..k0+BLOCK_K of the
+    weight rows whose scales start at `s_rows` (0 past K: k0 >= K gives an all-masked load, so
+    the kernels prefetch the next K step's scales with it). The kernels load these one K step
+    ahead: a checkpoint's scale rows (K / 32 bytes, 90 at gpt-oss's shapes) are not 4-byte
+    aligned, so Triton's pipeliner cannot move this load into its asynchronous copies, and a
+    load issued in the step that uses it stalls that step for the memory latency."""
+    offs_g = tl.arange(0, BLOCK_K // 32)
+    g_mask = offs_g < (K - k0) // 32
+    return tl.load(s_rows[:, None] + (k0 // 32 + offs_g)[None, :] * stride_sk,
+                   mask=wmask[:, None] & g_mask[None, :], other=0)
+
+
+@triton.jit
 def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl.constexpr,
                 WFMT: tl.constexpr, QUANT_A: tl.constexpr, EMULATE: tl.constexpr,
                 BLOCK_K: tl.constexpr, SCALAR_SCALE: tl.constexpr = False,
                 BIT_DECODE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
-                EVEN_K: tl.constexpr = False):
+                EVEN_K: tl.constexpr = False, sc=0):
     """(b [BLOCK_K, BLOCK_N], per-column scale [BLOCK_N] float32) of reduction columns
     k0..k0+BLOCK_K of the weight rows starting at the pointers `w_rows` (masked by wmask), whose
     scales start at `s_rows` (FP8: the row's [bn, bk] block row; MXFP4: the row's scales). FP8:
@@ -216,7 +230,8 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
     (SCALAR_SCALE: every row of the tile is in one block row, `s_rows` is that row's scalar
     pointer and the scale a scalar); MXFP4: b the decoded tile in OP_DTYPE (scales applied;
     BIT_DECODE: by mxfp4_tile_bits), the column scale 1; SWAP_AB (MXFP4): b is returned as
-    [BLOCK_N, BLOCK_K], the left operand of the transposed product (mma_step)."""
+    [BLOCK_N, BLOCK_K], the left operand of the transposed product (mma_step). `sc` (MXFP4):
+    the step's scale bytes (mxfp4_scales; PREFETCH_SCALES: loaded a step ahead)."""
     if WFMT == 1:
         offs_k = tl.arange(0, BLOCK_K)
         k_mask = k_in_range(offs_k, K - k0, EVEN_K)
@@ -237,10 +252,7 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
         p_mask = k_in_range(offs_p, (K - k0) // 2, EVEN_K)
         p = tl.load(w_rows[:, None] + (k0 // 2 + offs_p)[None, :] * stride_wk,
                     mask=wmask[:, None] & p_mask[None, :], other=0)
-        offs_g = tl.arange(0, BLOCK_K // 32)
-        g_mask = k_in_range(offs_g, (K - k0) // 32, EVEN_K)
-        sc = tl.load(s_rows[:, None] + (k0 // 32 + offs_g)[None, :] * stride_sk,
-                     mask=wmask[:, None] & g_mask[None, :], other=0)
+        # sc: this step's scale bytes, loaded a step ahead by the caller (mxfp4_scales)
         if BIT_DECODE == 2:
             v = mxfp4_tile_asm(p, sc, BN, BLOCK_K)
         elif BIT_DECODE:
@@ -346,6 +358,7 @@ def quant_gate_up_kernel(
     DIRECT: tl.constexpr, A_PREQUANT: tl.constexpr = False, SCALAR_SCALE: tl.constexpr = False,
     BIT_DECODE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
     ACT_F32: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+    PREFETCH_SCALES: tl.constexpr = False,
 ):
     """A_PREQUANT (W8A8): x_ptr is hidden already quantized per token and bk columns by
     quantize_groups_kernel (e4m3, scales at xs_ptr [T, H / bk]): the same values load_a would
@@ -391,8 +404,24 @@ def quant_gate_up_kernel(
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    sc_g = 0
+    sc_u = 0
+    if WFMT == 2 and PREFETCH_SCALES:   # scales one K step ahead (mxfp4_scales)
+        sc_g = mxfp4_scales(g_s, n_mask, 0, H, stride_sk, BLOCK_K)
+        sc_u = mxfp4_scales(u_s, n_mask, 0, H, stride_sk, BLOCK_K)
     for k0 in range(0, H, BLOCK_K):
         k_mask = k_in_range(offs_k, H - k0, EVEN_K)
+        sc_g_now = 0
+        sc_u_now = 0
+        if WFMT == 2:
+            if PREFETCH_SCALES:
+                sc_g_next = mxfp4_scales(g_s, n_mask, k0 + BLOCK_K, H, stride_sk, BLOCK_K)
+                sc_u_next = mxfp4_scales(u_s, n_mask, k0 + BLOCK_K, H, stride_sk, BLOCK_K)
+                sc_g_now = sc_g
+                sc_u_now = sc_u
+            else:
+                sc_g_now = mxfp4_scales(g_s, n_mask, k0, H, stride_sk, BLOCK_K)
+                sc_u_now = mxfp4_scales(u_s, n_mask, k0, H, stride_sk, BLOCK_K)
         if A_PREQUANT:
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
             a_scale = tl.load(xs_ptr + tok * stride_xs + k0 // BLOCK_K, mask=row_valid,
@@ -401,14 +430,19 @@ def quant_gate_up_kernel(
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A, WEIGHTS_ON_INPUT,
                                 OP_DTYPE, EMULATE)
         bg, sg = weight_tile(g_w, g_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K)
+                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K,
+                             sc_g_now)
         acc_g = mma_step(acc_g, a, a_scale, bg, sg, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
                          SWAP_AB)
         bu, su = weight_tile(u_w, u_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K)
+                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K,
+                             sc_u_now)
         acc_u = mma_step(acc_u, a, a_scale, bu, su, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
                          SWAP_AB)
         a_ptrs += BLOCK_K * stride_xh
+        if WFMT == 2 and PREFETCH_SCALES:
+            sc_g = sc_g_next
+            sc_u = sc_u_next
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
@@ -440,7 +474,7 @@ def quant_down_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DIRECT: tl.constexpr,
     SCALAR_SCALE: tl.constexpr = False, BIT_DECODE: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False, QUANT_GATHER: tl.constexpr = False,
-    EVEN_K: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, PREFETCH_SCALES: tl.constexpr = False,
 ):
     """QUANT_GATHER (W8A8): act is the gate+up kernel's float32 output (ACT_F32), quantized
     here per row and bk columns (BLOCK_K == bk) by the epilogue's arithmetic: the same e4m3
@@ -468,8 +502,18 @@ def quant_down_kernel(
         s_n = s_ptr + e * stride_se + (offs_n64 // scale_bn) * stride_sn
     else:
         s_n = s_ptr + e * stride_se + offs_n64 * stride_sn
+    sc = 0
+    if WFMT == 2 and PREFETCH_SCALES:   # scales one K step ahead (mxfp4_scales)
+        sc = mxfp4_scales(s_n, n_mask, 0, I, stride_sk, BLOCK_K)
     for k0 in range(0, I, BLOCK_K):
         k_mask = k_in_range(offs_k, I - k0, EVEN_K)
+        sc_now = 0
+        if WFMT == 2:
+            if PREFETCH_SCALES:
+                sc_next = mxfp4_scales(s_n, n_mask, k0 + BLOCK_K, I, stride_sk, BLOCK_K)
+                sc_now = sc
+            else:
+                sc_now = mxfp4_scales(s_n, n_mask, k0, I, stride_sk, BLOCK_K)
         if QUANT_GATHER:   # float32 act, quantized here
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, True, False, OP_DTYPE, EMULATE)
         elif QUANT_A:   # act was quantized by the gate+up kernel: e4m3 tile and row scales
@@ -479,10 +523,13 @@ def quant_down_kernel(
         else:
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, False, False, OP_DTYPE, EMULATE)
         b, sb = weight_tile(w_n, s_n, n_mask, k0, I, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                            QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K)
+                            QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K,
+                            sc_now)
         acc = mma_step(acc, a, a_scale, b, sb, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
                        SWAP_AB)
         a_ptrs += BLOCK_K
+        if WFMT == 2 and PREFETCH_SCALES:
+            sc = sc_next
     if SWAP_AB:
         acc = tl.trans(acc)
     if HAS_BIAS:

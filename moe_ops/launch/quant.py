@@ -57,6 +57,10 @@ class QuantDispatchConfig:
     # row (gate+up: bn and I multiples of block_n1, not interleaved; down: bn a multiple of
     # block_n2)
     scalar_weight_scale: bool = True
+    # MXFP4: each K step's e8m0 scale bytes loaded one step ahead (quant_gemm.mxfp4_scales:
+    # the checkpoints' scale rows are not 4-byte aligned, so Triton's pipeliner leaves that
+    # load synchronous)
+    mxfp4_scale_prefetch: bool = True
     # W8A8: hidden quantized once per token (quantize_groups_kernel) instead of in every gate+up
     # program's gather (not with weights_on_input, whose rows are scaled per slot first);
     # 1.02-1.48x on the H200 (docs/design.md)
@@ -210,7 +214,8 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
                   DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
                   GROUP_M=group_m, DIRECT=direct, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages, BIT_DECODE=bit_decode,
-                  SWAP_AB=wfmt == 2 and cfg.mxfp4_swap_ab)
+                  SWAP_AB=wfmt == 2 and cfg.mxfp4_swap_ab,
+                  PREFETCH_SCALES=wfmt == 2 and cfg.mxfp4_scale_prefetch)
     scalar13 = (fmt == "fp8" and cfg.scalar_weight_scale and not gate_up_interleaved
                 and bn % cfg.block_n1 == 0 and I % cfg.block_n1 == 0)
     scalar2 = fmt == "fp8" and cfg.scalar_weight_scale and bn % cfg.block_n2 == 0

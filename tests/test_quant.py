@@ -642,10 +642,11 @@ def test_mxfp4_swap_ab_path(interpreter, T):
 
 
 @pytest.mark.parametrize("T", [1, 7])
-def test_mxfp4_scale_prefetch_is_bit_equal(interpreter, T):
-    """MXFP4 scales loaded one K step ahead (QuantDispatchConfig.mxfp4_scale_prefetch) give the
-    in-step load's output bit for bit, with a K tail (H = 96, K step 64) and a
-    dropped id, plain and transposed products (K steps 32 and 64: three and two steps)."""
+def test_prefetched_scales_are_bit_equal(interpreter, T):
+    """Scales loaded one K step ahead (QuantDispatchConfig.prefetch_scales) give the in-step
+    loads' output bit for bit: MXFP4 with gpt-oss's variants, plain and transposed products,
+    K steps 32 and 64 (a K tail at H = 96); FP8 W8A8 and W8A16 with the scalar and the per-row
+    weight scale, several K steps; a dropped id each time."""
     import dataclasses
 
     from moe_ops.launch.quant import quant_dispatch_config
@@ -653,16 +654,28 @@ def test_mxfp4_scale_prefetch_is_bit_equal(interpreter, T):
     args, kw, biases = mxfp4_inputs(T, 96, 64, 4, 2, routing="negative")
     more = dict(activation="swiglu_oai", gate_up_interleaved=True, **biases)
     base = quant_dispatch_config(T, 4, 2, 96, 64, "mxfp4", 32, "cpu")
-    ref = quantized_dispatch_reference(*args, **kw, **more)
-    for swap, bk in [(False, 32), (True, 32), (True, 64)]:
+    cases = [(args, dict(kw, **more), dataclasses.replace(base, block_k=bk, mxfp4_swap_ab=swap))
+             for swap, bk in [(False, 32), (True, 32), (True, 64)]]
+    f_args, f_kw = fp8_inputs(T, 96, 64, 4, 2, (32, 32), routing="negative")
+    for quant_a in (True, False):
+        f_base = quant_dispatch_config(T, 4, 2, 96, 64, "fp8", 32, "cpu", quant_a=quant_a)
+        for scalar in (True, False):
+            cases.append((f_args, dict(f_kw, quantize_activations=quant_a),
+                          dataclasses.replace(f_base, scalar_weight_scale=scalar)))
+    for i, (a, k, cfg) in enumerate(cases):
         outs = []
         for prefetch in (False, True):
-            out = _poisoned(args[0])
-            dispatch_quantized(*args, **kw, **more, out=out, config=dataclasses.replace(
-                base, block_k=bk, mxfp4_swap_ab=swap, mxfp4_scale_prefetch=prefetch))
+            out = _poisoned(a[0])
+            dispatch_quantized(*a, **k, out=out,
+                               config=dataclasses.replace(cfg, prefetch_scales=prefetch))
             outs.append(out)
-        assert torch.equal(outs[0], outs[1]), (swap, bk)
-        assert rel_err(outs[1], ref) < 1e-5
+        assert torch.equal(outs[0], outs[1]), (i, cfg)
+        assert torch.isfinite(outs[1]).all(), i
+    # the last case is W8A16 with per-row scales
+    assert rel_err(outs[1], quantized_dispatch_reference(*f_args, **f_kw,
+                                                          quantize_activations=False)) < 2e-2
+    out = dispatch_quantized(*args, **kw, **more, out=_poisoned(args[0]))
+    assert rel_err(out, quantized_dispatch_reference(*args, **kw, **more)) < 1e-5
 
 
 # ---------------------------------------------------------------- config paths

@@ -359,26 +359,41 @@ def test_mxfp4_swap_ab_matches(T):
         assert rel_err(out, ref) <= 1e-2, bm
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("T", [1, 128, 2048])
-def test_mxfp4_scale_prefetch_is_bit_equal(T):
-    """MXFP4 scales loaded one K step ahead (QuantDispatchConfig.mxfp4_scale_prefetch, the
-    default) give the in-step load's output bit for bit at gpt-oss-20b's shape."""
+def test_prefetched_scales_are_bit_equal(fmt, T):
+    """Scales loaded one K step ahead (QuantDispatchConfig.prefetch_scales, the default) give
+    the in-step loads' output bit for bit: MXFP4 at gpt-oss-20b's shape, FP8 W8A8 at
+    Qwen3-30B-A3B's."""
     import dataclasses
 
     from moe_ops.launch.quant import quant_dispatch_config
 
-    E, K, H, I = SHAPES["gpt_oss_20b"]
-    hidden, b13, b2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 600 + T)
-    base = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda")
-    assert base.mxfp4_scale_prefetch
+    if fmt == "mxfp4":
+        E, K, H, I = SHAPES["gpt_oss_20b"]
+        hidden, w13, w2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 600 + T)
+        base = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda")
+        bound = 1e-2
+    else:
+        E, K, H, I = SHAPES["qwen3_30b_a3b"]
+        g = torch.Generator(device=DEV).manual_seed(700 + T)
+        w13, w2, s13, s2 = fp8_weights(E, H, I, g)
+        hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+        tw, ids = _route(T, E, K, g)
+        kw = dict(w13_scale=s13, w2_scale=s2, block_shape=[128, 128])
+        base = quant_dispatch_config(T, E, K, H, I, "fp8", 128, "cuda", quant_a=True)
+        bound = 6e-2
+    assert base.prefetch_scales
     outs = []
     for prefetch in (False, True):
         out = torch.full((T, H), float("nan"), device=DEV, dtype=torch.bfloat16)
-        dispatch_quantized(hidden, b13, b2, tw, ids, **kw, out=out,
-                           config=dataclasses.replace(base, mxfp4_scale_prefetch=prefetch))
+        dispatch_quantized(hidden, w13, w2, tw, ids, **kw, out=out,
+                           config=dataclasses.replace(base, prefetch_scales=prefetch))
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
-    assert rel_err(outs[1], quantized_dispatch_reference(hidden, b13, b2, tw, ids, **kw)) <= 1e-2
+    ref = quantized_dispatch_reference(hidden, w13, w2, tw, ids, **kw,
+                                       **({"quantize_activations": False} if fmt == "fp8" else {}))
+    assert rel_err(outs[1], ref) <= bound
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])

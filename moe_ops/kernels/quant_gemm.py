@@ -218,6 +218,27 @@ def mxfp4_scales(s_rows, wmask, k0, K, stride_sk, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def step_scales(s_rows, wmask, k0, K, stride_sk, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
+                SCALAR_SCALE: tl.constexpr):
+    """The weight scales of the K step at k0: FP8, the [bn, bk] blocks' float32 scale (a scalar
+    with SCALAR_SCALE, else one per row); MXFP4, mxfp4_scales; the dot_scaled form loads its
+    own (0 here). k0 may be past K (the kernels load the next step's ahead): MXFP4 gives 0s
+    there, FP8 the last step's scale, both unused. With PREFETCH_SCALES the kernels load them
+    a step ahead: Triton's pipeliner makes asynchronous copies of the tiles only, so a scale
+    loaded in the step that uses it stalls that step for the memory latency."""
+    sc = 0
+    if WFMT == 1:   # (past K: the last step's scale again, unused)
+        kb = tl.minimum(k0, K - 1) // BLOCK_K
+        if SCALAR_SCALE:
+            sc = tl.load(s_rows + kb * stride_sk)
+        else:
+            sc = tl.load(s_rows + kb * stride_sk, mask=wmask, other=0.0)
+    elif WFMT == 2:
+        sc = mxfp4_scales(s_rows, wmask, k0, K, stride_sk, BLOCK_K)
+    return sc
+
+
+@triton.jit
 def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl.constexpr,
                 WFMT: tl.constexpr, QUANT_A: tl.constexpr, EMULATE: tl.constexpr,
                 BLOCK_K: tl.constexpr, SCALAR_SCALE: tl.constexpr = False,
@@ -231,16 +252,13 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
     pointer and the scale a scalar); MXFP4: b the decoded tile in OP_DTYPE (scales applied;
     BIT_DECODE: by mxfp4_tile_bits), the column scale 1; SWAP_AB (MXFP4): b is returned as
     [BLOCK_N, BLOCK_K], the left operand of the transposed product (mma_step). `sc` (MXFP4):
-    the step's scale bytes (mxfp4_scales; PREFETCH_SCALES: loaded a step ahead)."""
+    `sc` (FP8, MXFP4): the step's weight scales, loaded by the caller (step_scales)."""
     if WFMT == 1:
         offs_k = tl.arange(0, BLOCK_K)
         k_mask = k_in_range(offs_k, K - k0, EVEN_K)
         b = tl.load(w_rows[None, :] + (k0 + offs_k)[:, None] * stride_wk,
                     mask=k_mask[:, None] & wmask[None, :], other=0.0)
-        if SCALAR_SCALE:
-            scale = tl.load(s_rows + (k0 // BLOCK_K) * stride_sk)
-        else:
-            scale = tl.load(s_rows + (k0 // BLOCK_K) * stride_sk, mask=wmask, other=0.0)
+        scale = sc   # (step_scales)
         if EMULATE:
             b = e4m3_decode(b)
         elif not QUANT_A:
@@ -252,7 +270,6 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
         p_mask = k_in_range(offs_p, (K - k0) // 2, EVEN_K)
         p = tl.load(w_rows[:, None] + (k0 // 2 + offs_p)[None, :] * stride_wk,
                     mask=wmask[:, None] & p_mask[None, :], other=0)
-        # sc: this step's scale bytes, loaded a step ahead by the caller (mxfp4_scales)
         if BIT_DECODE == 2:
             v = mxfp4_tile_asm(p, sc, BN, BLOCK_K)
         elif BIT_DECODE:
@@ -404,28 +421,37 @@ def quant_gate_up_kernel(
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    # the weight scales (and W8A8's activation scales) of each K step, loaded one step ahead
+    # with PREFETCH_SCALES (step_scales)
     sc_g = 0
     sc_u = 0
-    if WFMT == 2 and PREFETCH_SCALES:   # scales one K step ahead (mxfp4_scales)
-        sc_g = mxfp4_scales(g_s, n_mask, 0, H, stride_sk, BLOCK_K)
-        sc_u = mxfp4_scales(u_s, n_mask, 0, H, stride_sk, BLOCK_K)
+    xs = 0
+    if PREFETCH_SCALES:
+        sc_g = step_scales(g_s, n_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
+        sc_u = step_scales(u_s, n_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
+        if A_PREQUANT:
+            xs = tl.load(xs_ptr + tok * stride_xs, mask=row_valid, other=0.0)
     for k0 in range(0, H, BLOCK_K):
         k_mask = k_in_range(offs_k, H - k0, EVEN_K)
-        sc_g_now = 0
-        sc_u_now = 0
-        if WFMT == 2:
-            if PREFETCH_SCALES:
-                sc_g_next = mxfp4_scales(g_s, n_mask, k0 + BLOCK_K, H, stride_sk, BLOCK_K)
-                sc_u_next = mxfp4_scales(u_s, n_mask, k0 + BLOCK_K, H, stride_sk, BLOCK_K)
-                sc_g_now = sc_g
-                sc_u_now = sc_u
-            else:
-                sc_g_now = mxfp4_scales(g_s, n_mask, k0, H, stride_sk, BLOCK_K)
-                sc_u_now = mxfp4_scales(u_s, n_mask, k0, H, stride_sk, BLOCK_K)
+        if PREFETCH_SCALES:
+            sc_g_next = step_scales(g_s, n_mask, k0 + BLOCK_K, H, stride_sk, BLOCK_K, WFMT,
+                                    SCALAR_SCALE)
+            sc_u_next = step_scales(u_s, n_mask, k0 + BLOCK_K, H, stride_sk, BLOCK_K, WFMT,
+                                    SCALAR_SCALE)
+            sc_g_now = sc_g
+            sc_u_now = sc_u
+        else:
+            sc_g_now = step_scales(g_s, n_mask, k0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
+            sc_u_now = step_scales(u_s, n_mask, k0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
         if A_PREQUANT:
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-            a_scale = tl.load(xs_ptr + tok * stride_xs + k0 // BLOCK_K, mask=row_valid,
-                              other=0.0)
+            if PREFETCH_SCALES:
+                a_scale = xs
+                xs = tl.load(xs_ptr + tok * stride_xs + tl.minimum(k0 + BLOCK_K, H - 1) // BLOCK_K,
+                             mask=row_valid, other=0.0)
+            else:
+                a_scale = tl.load(xs_ptr + tok * stride_xs + k0 // BLOCK_K, mask=row_valid,
+                                  other=0.0)
         else:
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A, WEIGHTS_ON_INPUT,
                                 OP_DTYPE, EMULATE)
@@ -440,7 +466,7 @@ def quant_gate_up_kernel(
         acc_u = mma_step(acc_u, a, a_scale, bu, su, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
                          SWAP_AB)
         a_ptrs += BLOCK_K * stride_xh
-        if WFMT == 2 and PREFETCH_SCALES:
+        if PREFETCH_SCALES:
             sc_g = sc_g_next
             sc_u = sc_u_next
     if SWAP_AB:
@@ -502,24 +528,33 @@ def quant_down_kernel(
         s_n = s_ptr + e * stride_se + (offs_n64 // scale_bn) * stride_sn
     else:
         s_n = s_ptr + e * stride_se + offs_n64 * stride_sn
+    # each K step's scales, one step ahead with PREFETCH_SCALES (step_scales)
     sc = 0
-    if WFMT == 2 and PREFETCH_SCALES:   # scales one K step ahead (mxfp4_scales)
-        sc = mxfp4_scales(s_n, n_mask, 0, I, stride_sk, BLOCK_K)
+    xs = 0
+    if PREFETCH_SCALES:
+        sc = step_scales(s_n, n_mask, 0, I, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
+        if QUANT_A and not QUANT_GATHER:
+            xs = tl.load(act_scale_ptr + rows * stride_as, mask=row_valid, other=0.0)
     for k0 in range(0, I, BLOCK_K):
         k_mask = k_in_range(offs_k, I - k0, EVEN_K)
-        sc_now = 0
-        if WFMT == 2:
-            if PREFETCH_SCALES:
-                sc_next = mxfp4_scales(s_n, n_mask, k0 + BLOCK_K, I, stride_sk, BLOCK_K)
-                sc_now = sc
-            else:
-                sc_now = mxfp4_scales(s_n, n_mask, k0, I, stride_sk, BLOCK_K)
+        if PREFETCH_SCALES:
+            sc_next = step_scales(s_n, n_mask, k0 + BLOCK_K, I, stride_sk, BLOCK_K, WFMT,
+                                  SCALAR_SCALE)
+            sc_now = sc
+        else:
+            sc_now = step_scales(s_n, n_mask, k0, I, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
         if QUANT_GATHER:   # float32 act, quantized here
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, True, False, OP_DTYPE, EMULATE)
         elif QUANT_A:   # act was quantized by the gate+up kernel: e4m3 tile and row scales
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-            a_scale = tl.load(act_scale_ptr + rows * stride_as + k0 // BLOCK_K, mask=row_valid,
-                              other=0.0)
+            if PREFETCH_SCALES:
+                a_scale = xs
+                xs = tl.load(act_scale_ptr + rows * stride_as
+                             + tl.minimum(k0 + BLOCK_K, I - 1) // BLOCK_K, mask=row_valid,
+                             other=0.0)
+            else:
+                a_scale = tl.load(act_scale_ptr + rows * stride_as + k0 // BLOCK_K,
+                                  mask=row_valid, other=0.0)
         else:
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, False, False, OP_DTYPE, EMULATE)
         b, sb = weight_tile(w_n, s_n, n_mask, k0, I, stride_wk, stride_sk, OP_DTYPE, WFMT,
@@ -528,7 +563,7 @@ def quant_down_kernel(
         acc = mma_step(acc, a, a_scale, b, sb, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
                        SWAP_AB)
         a_ptrs += BLOCK_K
-        if WFMT == 2 and PREFETCH_SCALES:
+        if PREFETCH_SCALES:
             sc = sc_next
     if SWAP_AB:
         acc = tl.trans(acc)

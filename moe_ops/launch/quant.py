@@ -57,10 +57,11 @@ class QuantDispatchConfig:
     # row (gate+up: bn and I multiples of block_n1, not interleaved; down: bn a multiple of
     # block_n2)
     scalar_weight_scale: bool = True
-    # MXFP4: each K step's e8m0 scale bytes loaded one step ahead (quant_gemm.mxfp4_scales:
-    # the checkpoints' scale rows are not 4-byte aligned, so Triton's pipeliner leaves that
-    # load synchronous)
-    mxfp4_scale_prefetch: bool = True
+    # each K step's weight scales (FP8 block scales, MXFP4 e8m0 bytes) and W8A8 activation
+    # scales loaded one step ahead (quant_gemm.step_scales): Triton's pipeliner copies the
+    # tiles asynchronously but leaves these loads (scalars, gathers, MXFP4's scale rows that
+    # are not 4-byte aligned) synchronous in the step that uses them
+    prefetch_scales: bool = True
     # W8A8: hidden quantized once per token (quantize_groups_kernel) instead of in every gate+up
     # program's gather (not with weights_on_input, whose rows are scaled per slot first);
     # 1.02-1.48x on the H200 (docs/design.md)
@@ -215,7 +216,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
                   GROUP_M=group_m, DIRECT=direct, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages, BIT_DECODE=bit_decode,
                   SWAP_AB=wfmt == 2 and cfg.mxfp4_swap_ab,
-                  PREFETCH_SCALES=wfmt == 2 and cfg.mxfp4_scale_prefetch)
+                  PREFETCH_SCALES=wfmt in (1, 2) and cfg.prefetch_scales)
     scalar13 = (fmt == "fp8" and cfg.scalar_weight_scale and not gate_up_interleaved
                 and bn % cfg.block_n1 == 0 and I % cfg.block_n1 == 0)
     scalar2 = fmt == "fp8" and cfg.scalar_weight_scale and bn % cfg.block_n2 == 0

@@ -251,8 +251,8 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
     (SCALAR_SCALE: every row of the tile is in one block row, `s_rows` is that row's scalar
     pointer and the scale a scalar); MXFP4: b the decoded tile in OP_DTYPE (scales applied;
     BIT_DECODE: by mxfp4_tile_bits), the column scale 1; SWAP_AB (MXFP4): b is returned as
-    [BLOCK_N, BLOCK_K], the left operand of the transposed product (mma_step). `sc` (MXFP4):
-    `sc` (FP8, MXFP4): the step's weight scales, loaded by the caller (step_scales)."""
+    [BLOCK_N, BLOCK_K], the left operand of the transposed product (mma_step). `sc`
+    (FP8, MXFP4): the step's weight scales, loaded by the caller (step_scales)."""
     if WFMT == 1:
         offs_k = tl.arange(0, BLOCK_K)
         k_mask = k_in_range(offs_k, K - k0, EVEN_K)

@@ -11,7 +11,7 @@ from moe_ops.kernels.expert_gemm import (ACT_CODES, combine_kernel, down_combine
                                          gate_up_kernel, zero_dropped_z_kernel)
 from moe_ops.launch._common import dot_precision, kernel_for, pdl_args, weight_desc
 from moe_ops.launch.alignment import align_triton
-from moe_ops.launch.fast import launch_key, tensor_key
+from moe_ops.launch.fast import launch_key, optional_tensor_key, tensor_key
 from moe_ops.tuning.configs import DispatchConfig, RowGemmConfig
 from moe_ops.tuning.heuristics import dispatch_config
 
@@ -125,8 +125,8 @@ class Variant:
     def key(self):
         """What the launches' arguments depend on (fast launch keys)."""
         return (self.activation, float(self.alpha), float(self.limit), self.interleaved,
-                self.weights_on_input, _opt_key(self.w13_bias), _opt_key(self.w2_bias),
-                _opt_key(self.w3))
+                self.weights_on_input, optional_tensor_key(self.w13_bias),
+                optional_tensor_key(self.w2_bias), optional_tensor_key(self.w3))
 
     def gate_up_args(self, topk_weights) -> dict:
         """gate_up_kernel's variant arguments (none for the default SwiGLU on gate-first rows:
@@ -152,10 +152,6 @@ def w3_args(w3) -> dict:
     """gate_up_kernel's arguments for an up projection apart from the gate (pointer path)."""
     return dict(w3_ptr=w3, stride_w3e=w3.stride(0), stride_w3n=w3.stride(1),
                 stride_w3k=w3.stride(2), HAS_W3=True)
-
-
-def _opt_key(t):
-    return None if t is None else tensor_key(t)
 
 
 def _bias_args(b) -> dict:

@@ -104,6 +104,11 @@ def tensor_key(t) -> tuple:
     return (t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
 
 
+def optional_tensor_key(t) -> tuple | None:
+    """tensor_key of an optional tensor argument (None stays None)."""
+    return None if t is None else tensor_key(t)
+
+
 def launch_key(base, *tensors):
     """A launch's key: the call's `base` key (None: no fast path) and the 16-byte alignment of
     the buffers the launcher allocated itself (always aligned from PyTorch's CUDA caching

@@ -21,7 +21,7 @@ from moe_ops.kernels.quant_gemm import (
 from moe_ops.launch._common import kernel_for
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import DirectRows, combine_triton
-from moe_ops.launch.fast import launch_key, tensor_key
+from moe_ops.launch.fast import launch_key, optional_tensor_key, tensor_key
 from moe_ops.ops.quant_checks import ACTIVATIONS, check_quantized_dispatch
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -175,9 +175,10 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     # of these and of the buffers allocated below (their alignment: launch_key).
     key = (cfg, fmt, bn, bk, quant_a, scaled, activation, float(alpha), float(limit),
            bool(gate_up_interleaved), bool(weights_on_input), tensor_key(hidden),
-           tensor_key(w13), tensor_key(w2), _opt_key(w13_scale), _opt_key(w2_scale),
-           tensor_key(topk_weights), tensor_key(topk_ids), tensor_key(out),
-           _opt_key(w13_bias), _opt_key(w2_bias)) if not emulate else None
+           tensor_key(w13), tensor_key(w2), optional_tensor_key(w13_scale),
+           optional_tensor_key(w2_scale), tensor_key(topk_weights), tensor_key(topk_ids),
+           tensor_key(out), optional_tensor_key(w13_bias),
+           optional_tensor_key(w2_bias)) if not emulate else None
     # The interpreter decodes fp8 weights from their bits (its fp8 loads read NaN as 480).
     w13_k = w13.view(torch.uint8) if emulate and fmt == "fp8" else w13
     w2_k = w2.view(torch.uint8) if emulate and fmt == "fp8" else w2
@@ -263,7 +264,3 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         return out.copy_(out32)
     combine_triton(y, topk_ids, out, E, key=key)
     return out
-
-
-def _opt_key(t):
-    return None if t is None else tensor_key(t)

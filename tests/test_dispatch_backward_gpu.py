@@ -195,3 +195,33 @@ def test_backward_default_kernels_exact_beside_another_gpu_process():
     finally:
         noise.kill()
         noise.wait()
+
+
+@pytest.mark.parametrize("path", ["saved", "recompute"])
+def test_backward_peak_memory_holds_one_gathered_copy(path):
+    """The backward's transient peak beyond its inputs is the gradients plus dO gathered, dz,
+    s*a and dA (and, recomputing, z): x is gathered only after dO and s*a are freed, so the two
+    [rows, H] gathered copies are never alive together (Qwen3-30B-A3B, T=8192)."""
+    T, name = 8192, "qwen3_30b_a3b"
+    args = _inputs(name, T, torch.bfloat16, seed=16)
+    hidden, w13, w2 = args[0], args[1], args[2]
+    E, I, H = w2.shape[0], w2.shape[2], hidden.shape[1]
+    K = args[4].shape[1]
+    go = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    z = torch.ops.moe.dispatch_train(*args)[1] if path == "saved" else None
+    run = (lambda: torch.ops.moe.dispatch_backward_saved(go, z, *args)) if z is not None else (
+        lambda: torch.ops.moe.dispatch_backward(go, *args))
+    run()   # warm-up: compile, configs
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = run()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    slots, rows = T * K, T * K + E * 128   # aligned rows: at most block_m - 1 padding per expert
+    grad_bytes = sum(g.numel() * g.element_size() for g in grads[:4])
+    transient = rows * H * 2 + rows * 2 * I * 2 + rows * I * 2 + slots * I * 4
+    if z is None:
+        transient += slots * 2 * I * 2
+    bound = grad_bytes + transient + (16 << 20)
+    assert peak <= bound, (peak / 2**30, bound / 2**30)

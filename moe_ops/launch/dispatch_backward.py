@@ -74,9 +74,9 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     n_slots = T * K
     prec = dot_precision(dt)
 
-    # (weights_on_input: the experts' input is s x, and dW13_e = dh^T (s x))
-    xs = gather_rows_triton(hidden, al, n_slots, K, key=key and (key, "x"),
-                            weights=topk_weights if weights_on_input else None)
+    # Buffers are allocated in the order of use and freed after their last one (the peak is
+    # the weight gradients plus dO gathered, dz, s*a, z and dA; x is gathered only once dO and
+    # s*a are gone).
     gos = gather_rows_triton(grad_out, al, n_slots, K, key=key and (key, "dO"))
     dz = torch.empty(al.max_rows, 2 * I, dtype=dt, device=dev)
     sa = torch.empty(al.max_rows, I, dtype=dt, device=dev)
@@ -113,7 +113,10 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
 
     # dW2_e [H, I] = sum_rows dO[t]^T (s a)[row];  dW13_e [2I, H] = sum_rows dz[row]^T x[t]
     weight_grad_triton(gos, sa, dw2, al, bc.weight_grad, prec, key=key and (key, "dW2"))
-    del gos
+    del gos, sa
+    # (weights_on_input: the experts' input is s x, and dW13_e = dh^T (s x))
+    xs = gather_rows_triton(hidden, al, n_slots, K, key=key and (key, "x"),
+                            weights=topk_weights if weights_on_input else None)
     if w3 is None:
         weight_grad_triton(dz, xs, dw13, al, bc.weight_grad, prec, key=key and (key, "dW13"))
     else:   # dz = [d gate | d up]: the gate half is w13's gradient, the up half w3's

@@ -90,11 +90,14 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
     rows = T * K / max(E, 1)
     block_m = 16 if rows <= 16 else 32 if rows <= 48 else 64
     block_k = bk if fmt == "fp8" else 128
-    if fmt == "mxfp4" and rows >= 64:
+    if fmt == "mxfp4" and rows >= 128:
         # prefill: 128-row blocks decode each weight tile for twice the rows, the products
         # computed transposed with 4 warps, 64-wide K steps: 1.07-1.15x of the same with
         # 128-wide steps and 1.12-1.54x of 64-row blocks at gpt-oss-20b/120b T=512..8192 on
-        # the H100 (docs/design.md)
+        # the H100 (docs/design.md). From 128 rows per expert: at 64 (gpt-oss-20b T=512,
+        # gpt-oss-120b T=2048) half of each 128-row block is padding, and the 64-row tiles
+        # below measure 1.05-1.06x (H100: 611.6 -> 580.5 us, 2268.6 -> 2139.8 us, bit-equal);
+        # at 256 rows they are 0.85-0.87x.
         return QuantDispatchConfig(block_m=128, block_n1=64, block_n2=128, block_k=64,
                                    group_m=8, num_warps=4, num_stages=3, mxfp4_swap_ab=True)
     if fmt == "mxfp4":
@@ -114,9 +117,11 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
         # at decode this costs 0-3% (H100: Qwen3-30B-A3B T=1/8/128 41.9/120.5/252.8 ->
         # 41.8/124.5/260.0 us, DeepSeek-V3 T=1/128 155.9/3861 -> 153.6/3872). The gate+up tile
         # is one bk group of the activation it quantizes (128 columns: two [64, 128] float32
-        # accumulators).
+        # accumulators). Four stages: one more K step in flight, the same sums (bit-equal);
+        # H100, two runs: Qwen3-30B-A3B T=1 40.5 -> 37.8 us, T=8 1.02x, T=2048 1.04x, T=8192
+        # 1.01x; DeepSeek-V3 T=1 1.01x, T=2048 4752 -> 4585 us.
         return QuantDispatchConfig(block_m=64, block_n1=bk if quant_a else 64, block_n2=128,
-                                   block_k=block_k, group_m=8, num_warps=8, num_stages=3)
+                                   block_k=block_k, group_m=8, num_warps=8, num_stages=4)
     return QuantDispatchConfig(block_m=block_m, block_n1=64, block_n2=128, block_k=block_k,
                                group_m=8, num_warps=4 if block_m < 64 else 8,
                                num_stages=3)

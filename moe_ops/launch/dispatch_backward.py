@@ -44,19 +44,16 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     dev = hidden.device
     dt = hidden.dtype
     dx = torch.empty(T, H, dtype=dt, device=dev)
-    dw13 = empty_grad(w13)
-    dw2 = empty_grad(w2)
     dweights = torch.zeros(topk_weights.shape, dtype=topk_weights.dtype, device=dev)
     db13 = None if w13_bias is None else torch.empty_like(w13_bias,
                                                           memory_format=torch.contiguous_format)
     db2 = None if w2_bias is None else torch.empty_like(w2_bias,
                                                        memory_format=torch.contiguous_format)
     bias_grads = () if db13 is None and db2 is None else (db13, db2)
-    dw3 = None if w3 is None else empty_grad(w3)
-    if dw3 is not None:
-        bias_grads = (db13, db2, dw3)
     if T * K == 0 or E == 0:   # no slot reaches an expert: every gradient is zero
-        return (dx.zero_(), dw13.zero_(), dw2.zero_(), dweights) + tuple(
+        if w3 is not None:
+            bias_grads = (db13, db2, empty_grad(w3))
+        return (dx.zero_(), empty_grad(w13).zero_(), empty_grad(w2).zero_(), dweights) + tuple(
             None if b is None else b.zero_() for b in bias_grads)
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, dt)
     bc = bwd_config or backward_config(cfg, dev.type, dt, rows_per_expert=T * K / E,
@@ -67,16 +64,17 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     # launch names in its launch_key (moe_ops.launch.fast: Triton's per-launch binding skipped).
     key = (cfg, bc, tensor_key(grad_out), tensor_key(hidden), tensor_key(w13), tensor_key(w2),
            tensor_key(topk_weights), tensor_key(topk_ids), z is None or tensor_key(z),
-           tuple(t.data_ptr() % 16 for t in (dx, dw13, dw2, dweights)), var.key(),
+           tuple(t.data_ptr() % 16 for t in (dx, dweights)), var.key(),
            tuple(None if b is None else tensor_key(b) for b in bias_grads)) \
         if dev.type == "cuda" else None
     al = align_triton(topk_ids, E, cfg.block_m)
     n_slots = T * K
     prec = dot_precision(dt)
 
-    # Buffers are allocated in the order of use and freed after their last one (the peak is
-    # the weight gradients plus dO gathered, dz, s*a, z and dA; x is gathered only once dO and
-    # s*a are gone).
+    # Buffers are allocated in the order of use and freed after their last one: the weight
+    # gradients just before their GEMMs, x gathered only once dO and s*a are gone. The peak is
+    # the larger of dO gathered + dz + s*a + z + dA (the activation gradient) and dW2 + dW13 +
+    # dz + x gathered + z (dW13's GEMM), besides dx and the inputs.
     gos = gather_rows_triton(grad_out, al, n_slots, K, key=key and (key, "dO"))
     dz = torch.empty(al.max_rows, 2 * I, dtype=dt, device=dev)
     sa = torch.empty(al.max_rows, I, dtype=dt, device=dev)
@@ -112,14 +110,18 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
                              weights=None if weights_on_input else topk_weights)
 
     # dW2_e [H, I] = sum_rows dO[t]^T (s a)[row];  dW13_e [2I, H] = sum_rows dz[row]^T x[t]
+    dw2 = empty_grad(w2)
     weight_grad_triton(gos, sa, dw2, al, bc.weight_grad, prec, key=key and (key, "dW2"))
     del gos, sa
     # (weights_on_input: the experts' input is s x, and dW13_e = dh^T (s x))
     xs = gather_rows_triton(hidden, al, n_slots, K, key=key and (key, "x"),
                             weights=topk_weights if weights_on_input else None)
+    dw13 = empty_grad(w13)
     if w3 is None:
         weight_grad_triton(dz, xs, dw13, al, bc.weight_grad, prec, key=key and (key, "dW13"))
     else:   # dz = [d gate | d up]: the gate half is w13's gradient, the up half w3's
+        dw3 = empty_grad(w3)
+        bias_grads = (db13, db2, dw3)
         weight_grad_triton(dz[:, :I], xs, dw13, al, bc.weight_grad, prec,
                            key=key and (key, "dW13"))
         weight_grad_triton(dz[:, I:], xs, dw3, al, bc.weight_grad, prec,

@@ -4,7 +4,11 @@
 #   MOE_OPS_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_gpu.sh [tests|bench|all]
 # Environment: TEST_TIMEOUT (s per test group, 420), BENCH_TIMEOUT (240), TRAIN_TIMEOUT (150),
 # TRAIN_ARGS (extra bench_train.py flags, e.g. "--tokens 8192"), DECODE_TIMEOUT (90; 0 skips
-# examples/cuda_graph_decode.py), EXAMPLE_TIMEOUT (0 skips examples/train_moe.py --device cuda).
+# examples/cuda_graph_decode.py), EXAMPLE_TIMEOUT (0 skips examples/train_moe.py --device cuda),
+# TRITON_ENV (a script sourced first that puts another Triton on the path, e.g. the env.sh of
+# ../shared/tools/device-triton.sh), PYTEST_ARGS (added to every test group, e.g.
+# "-k 'not compile'"), WEIGHTS (quant stage: the --weights runs, default "fp8 mxfp4").
+# Stages: tests, bench, quant (moe-ops-bench --weights for each of WEIGHTS), all (tests, bench).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-.}
@@ -14,15 +18,21 @@ if ls .whl/*.whl >/dev/null 2>&1; then   # wheels a bare GPU image may lack (exp
 elif [ "$stage" != bench ]; then
   echo "WARNING: no .whl/*.whl here: tests that use expecttest fail to import without it" >&2
 fi
+if [ -n "${TRITON_ENV:-}" ]; then
+  # shellcheck disable=SC1090
+  . "$TRITON_ENV" || exit
+fi
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+eval "extra=(${PYTEST_ARGS:-})"   # shell words: quotes group
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
   # Three pytest processes share the GPU: most of the time is Triton compiling on the CPU. Peak
   # memory of the three together stays under ~100 GiB (DeepSeek-V3 float32 parity is the largest).
   # The three groups partition the GPU tests: the forward GPU files, the backward one, the rest.
   run_group() {  # name, pytest args...
     local name=$1; shift
-    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 "$@" \
+    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 "$@" "${extra[@]}" \
       > "$out/gpu_tests_$name.log" 2>&1
     echo "[$name] rc=$? $(tail -1 "$out/gpu_tests_$name.log")"
   }
@@ -32,6 +42,13 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
     --ignore=tests/test_dispatch_backward_gpu.py &
   wait
   grep -h "^FAILED\|^ERROR" "$out"/gpu_tests_*.log | head -20
+fi
+if [ "$stage" = quant ]; then
+  for w in ${WEIGHTS:-fp8 mxfp4}; do
+    timeout "${BENCH_TIMEOUT:-240}" python3 -m moe_ops.tools.bench --weights "$w" --graph-all \
+      --md "$out/bench_$w.md" --csv "$out/bench_$w.csv" > "$out/bench_$w.log" 2>&1
+    echo "moe-ops-bench --weights $w rc=$?"; grep -A16 "^| shape | T | floor" "$out/bench_$w.md"
+  done
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   PLOT=""

@@ -229,3 +229,46 @@ def test_backward_peak_memory_follows_the_order_of_use(path):
     bound = nbytes[0] + nbytes[3] + max(act_grad, dw2_stage, dw13_stage) + (16 << 20)
     assert peak <= bound, (peak / 2**30, bound / 2**30)
     assert bound < nbytes[1] + nbytes[2] + act_grad   # the order of use is what the bound tests
+
+
+def test_x_chunks_bit_equal_and_lower_peak():
+    """BackwardConfig.x_chunks = 0 (automatic: 4 chunks at Qwen3-30B-A3B) against one chunk,
+    T=8192: the same gradients bit for bit (each element the same sum, the same tiles), and the
+    peak beyond the inputs bounded by the chunked stages (dW13's holds a quarter of x gathered,
+    dx's per-slot buffer is gone by then)."""
+    import dataclasses
+
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton, x_chunks
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    T, name = 8192, "qwen3_30b_a3b"
+    args = _inputs(name, T, torch.bfloat16, seed=17)
+    hidden, w2 = args[0], args[2]
+    E, I, H = w2.shape[0], w2.shape[2], hidden.shape[1]
+    K = args[4].shape[1]
+    go = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    z = torch.ops.moe.dispatch_train(*args)[1]
+    cfg = dispatch_config(T, E, K, H, I, "cuda", torch.bfloat16)
+    bc = backward_config(cfg, "cuda", torch.bfloat16, rows_per_expert=T * K / E, inter_size=I)
+    auto = dataclasses.replace(bc, x_chunks=0)
+    slots, rows = T * K, T * K + E * 128
+    n = x_chunks(auto, H, rows * H * 2, rows * 2 * I * 2)
+    assert n == 4
+    grads = {}
+    for label, b in (("one", bc), ("auto", auto)):
+        dispatch_backward_triton(go, *args, z=z, config=cfg, bwd_config=b)   # warm-up
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        grads[label] = dispatch_backward_triton(go, *args, z=z, config=cfg, bwd_config=b)
+        torch.cuda.synchronize()
+        grads[label + "_peak"] = torch.cuda.max_memory_allocated() - base
+    for a, b in zip(grads["auto"], grads["one"]):
+        assert torch.equal(a, b)
+    nbytes = [g.numel() * g.element_size() for g in grads["one"][:4]]   # dx, dw13, dw2, dweights
+    gathered, dz, sa, dA = rows * H * 2, rows * 2 * I * 2, rows * I * 2, slots * I * 4
+    stages = (gathered + dz + sa + dA, nbytes[2] + gathered + dz + sa,
+              nbytes[2] + dz + slots * H * 2, nbytes[2] + nbytes[1] + dz + gathered // n)
+    bound = nbytes[0] + nbytes[3] + max(stages) + (16 << 20)
+    assert grads["auto_peak"] <= bound, (grads["auto_peak"] / 2**30, bound / 2**30)
+    assert grads["auto_peak"] < grads["one_peak"], (grads["auto_peak"], grads["one_peak"])

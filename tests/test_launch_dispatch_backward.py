@@ -325,3 +325,88 @@ def test_persistent_weight_grads_lpt_deal(interpreter, routing, monkeypatch):
             rem = t % per_e
             expected.append((p, order[t // per_e], rem // n_n * block_m, rem % n_n * block_n))
         assert sorted(got) == sorted(expected), (seed, routing, M, N)
+
+
+# ---------------------------------------------------------------------------------------------
+# dW13 in column chunks of H (BackwardConfig.x_chunks): the same sums, bit-equal
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", ["plain", "persistent_f16", "w3", "weights_on_input",
+                                  "transposed_w13"])
+def test_x_chunks_match_one_chunk(interpreter, monkeypatch, case):
+    """x gathered and dW13 computed in 2 and 4 column chunks of H (dx then computed first): dx,
+    dW2 and d topk_weights bit for bit as with one chunk, dW13 (and dW3) within rounding. Each
+    dW13 element is the same sum over the rows, but the interpreter computes tl.dot with numpy,
+    whose BLAS may order a sum differently for another tile width (float32: 2.4e-7 seen); on
+    the GPU the chunks are bit-equal (tests/test_dispatch_backward_gpu.py)."""
+    import dataclasses
+
+    from moe_ops.launch.dispatch_backward import dispatch_backward_triton
+    from moe_ops.ops.samples import make_variant_inputs
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    T, H, I, E, K = 19, 32, 12, 3, 2
+    dtype = torch.float16 if case in ("persistent_f16", "w3") else torch.float32
+    args, b13, b2 = make_variant_inputs(T, H, I, E, K, dtype=dtype, routing="negative",
+                                        generator=g, transpose_w13=case == "transposed_w13")
+    kw = {}
+    if case == "weights_on_input":
+        kw["weights_on_input"] = True
+    if case == "w3":   # w13 is the gate alone [E, I, H], w3 the up projection
+        w13 = args[1]
+        args = (args[0], w13[:, :I].clone(), *args[2:])
+        kw["w3"] = w13[:, I:].clone()
+    go = torch.randn(T, H, generator=g).to(dtype)
+    cfg = dispatch_config(T, E, K, H, I, "cpu", dtype)
+    bc = backward_config(cfg, "cpu", dtype)
+    if case == "persistent_f16":
+        bc = with_weight_grad(bc, persistent=True)
+    _poison_empty(monkeypatch)
+    one = dispatch_backward_triton(go, *args, config=cfg, bwd_config=bc, **kw)
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    chunked = {1} | ({len(one) - 1} if case == "w3" else set())   # dW13, dW3
+    for n in (2, 4):
+        got = dispatch_backward_triton(go, *args, config=cfg,
+                                       bwd_config=dataclasses.replace(bc, x_chunks=n), **kw)
+        assert len(got) == len(one)
+        for i, (a, b) in enumerate(zip(got, one)):
+            if b is None:
+                assert a is None
+                continue
+            assert not a.isnan().any(), (seed, case, n, i)
+            assert a.stride() == b.stride(), (seed, case, n, i)
+            if i in chunked:
+                assert rel_err(a, b) <= tol, (seed, case, n, i, rel_err(a, b))
+            else:
+                assert torch.equal(a, b), (seed, case, n, i)
+
+
+def test_x_chunks_rule_and_bad_values():
+    """Automatic: the fewest of 1, 2, 4 chunks that keeps a chunk of gathered x at most half of
+    dz, widths multiples of 128; an explicit count must split H into widths that are multiples
+    of 8 (a ValueError naming the field otherwise)."""
+    import dataclasses
+
+    from moe_ops.launch.dispatch_backward import x_chunks
+    from moe_ops.tuning.heuristics import backward_config, dispatch_config
+
+    bc = backward_config(dispatch_config(64, 8, 2, 64, 32, "cpu", torch.float32), "cpu",
+                         torch.float32)
+    auto = dataclasses.replace(bc, x_chunks=0)
+    rows = 70000
+    # Qwen3-30B-A3B (H=2048, I=768): x is 1.33x dz -> 4 chunks (each 0.33x dz)
+    assert x_chunks(auto, 2048, rows * 2048 * 2, rows * 1536 * 2) == 4
+    # OLMoE (H=2048, I=1024): x = dz -> 2 chunks
+    assert x_chunks(auto, 2048, rows * 2048 * 2, rows * 2048 * 2) == 2
+    # Mixtral (H=4096, I=14336): x well under dz -> 1
+    assert x_chunks(auto, 4096, rows * 4096 * 2, rows * 28672 * 2) == 1
+    # H=2880 (gpt-oss): no width that is a multiple of 128 -> 1
+    assert x_chunks(auto, 2880, rows * 2880 * 2, rows * 2880 * 2) == 1
+    assert x_chunks(bc, 2048, 1, 1) == 1
+    assert x_chunks(bc, 17, 1, 1) == 1   # one chunk: any H
+    for bad in (-1, 3, 512):
+        with pytest.raises(ValueError, match="x_chunks"):
+            x_chunks(dataclasses.replace(bc, x_chunks=bad), 2048, 1, 1)

@@ -27,6 +27,22 @@ from moe_ops.tuning.configs import WeightGradConfig
 from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
 
+def x_chunks(bc, H: int, x_bytes: int, dz_bytes: int) -> int:
+    """Column chunks of H for dW13's gathered x (BackwardConfig.x_chunks; 0: the fewest of 1,
+    2, 4 that keeps a chunk at most half of dz, with chunk widths multiples of 128). More than
+    one chunk must split H into equal widths that are multiples of 8 (16-byte aligned column
+    offsets), else a ValueError."""
+    n = bc.x_chunks
+    if n == 0:
+        n = 1
+        while n < 4 and x_bytes / n > dz_bytes / 2 and H % (2 * n * 128) == 0:
+            n *= 2
+    if n < 1 or (n > 1 and (H % n or (H // n) % 8)):
+        raise ValueError(f"BackwardConfig.x_chunks = {bc.x_chunks} must split H = {H} into equal "
+                         f"widths that are multiples of 8 (or be 0: automatic)")
+    return n
+
+
 def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, activation="silu",
                              z=None, config=None, bwd_config=None, *, w13_bias=None, w2_bias=None,
                              alpha=1.702, limit=7.0, gate_up_interleaved=False,
@@ -113,32 +129,48 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     dw2 = empty_grad(w2)
     weight_grad_triton(gos, sa, dw2, al, bc.weight_grad, prec, key=key and (key, "dW2"))
     del gos, sa
-    # (weights_on_input: the experts' input is s x, and dW13_e = dh^T (s x))
-    xs = gather_rows_triton(hidden, al, n_slots, K, key=key and (key, "x"),
-                            weights=topk_weights if weights_on_input else None)
+    n_x = x_chunks(bc, H, al.max_rows * H * hidden.element_size(), dz.numel() * dz.element_size())
+    if n_x > 1:   # dx first: its per-slot buffer is gone before dW13's stage
+        _input_grad(dz, w13, w3, topk_weights, topk_ids, dx, al, bc, n_slots, K, I, H, E,
+                    weights_on_input, key)
     dw13 = empty_grad(w13)
-    if w3 is None:
-        weight_grad_triton(dz, xs, dw13, al, bc.weight_grad, prec, key=key and (key, "dW13"))
-    else:   # dz = [d gate | d up]: the gate half is w13's gradient, the up half w3's
-        dw3 = empty_grad(w3)
+    dw3 = None if w3 is None else empty_grad(w3)
+    if dw3 is not None:
         bias_grads = (db13, db2, dw3)
-        weight_grad_triton(dz[:, :I], xs, dw13, al, bc.weight_grad, prec,
-                           key=key and (key, "dW13"))
-        weight_grad_triton(dz[:, I:], xs, dw3, al, bc.weight_grad, prec,
-                           key=key and (key, "dW3"))
-    del xs
+    width = H // n_x
+    for c in range(n_x):
+        cols = slice(c * width, (c + 1) * width)
+        ck = key and (key, "x", c)
+        # (weights_on_input: the experts' input is s x, and dW13_e = dh^T (s x))
+        xs = gather_rows_triton(hidden[:, cols], al, n_slots, K, key=ck,
+                                weights=topk_weights if weights_on_input else None)
+        if w3 is None:
+            weight_grad_triton(dz, xs, dw13[:, :, cols], al, bc.weight_grad, prec,
+                               key=ck and (ck, "dW13"))
+        else:   # dz = [d gate | d up]: the gate half is w13's gradient, the up half w3's
+            weight_grad_triton(dz[:, :I], xs, dw13[:, :, cols], al, bc.weight_grad, prec,
+                               key=ck and (ck, "dW13"))
+            weight_grad_triton(dz[:, I:], xs, dw3[:, :, cols], al, bc.weight_grad, prec,
+                               key=ck and (ck, "dW3"))
+        del xs
+    if n_x == 1:
+        _input_grad(dz, w13, w3, topk_weights, topk_ids, dx, al, bc, n_slots, K, I, H, E,
+                    weights_on_input, key)
+    return (dx, dw13, dw2, dweights) + bias_grads
 
-    # dx: per-slot dz[row] @ W13_e ([2I] x [2I, H]), then the forward's deterministic combine.
-    dxs = torch.empty(n_slots, H, dtype=dt, device=dev)
-    # (weights_on_input: dx_t = sum_k s dh W13_e, the routing weight in the row GEMM's epilogue)
-    # (w3: dz's gate columns against w13, then its up columns against w3, in one sum)
+
+def _input_grad(dz, w13, w3, topk_weights, topk_ids, dx, al, bc, n_slots, K, I, H, E,
+                weights_on_input, key):
+    """dx: per-slot dz[row] @ W13_e ([2I] x [2I, H]), then the forward's deterministic combine.
+    (weights_on_input: dx_t = sum_k s dh W13_e, the routing weight in the row GEMM's epilogue;
+    w3: dz's gate columns against w13, then its up columns against w3, in one sum)"""
+    dxs = torch.empty(n_slots, H, dtype=dx.dtype, device=dx.device)
     second = None if w3 is None else (w3, (w3.stride(0), w3.stride(2), w3.stride(1)), I)
     rows_gemm_triton(dz, w13, (w13.stride(0), w13.stride(2), w13.stride(1)), dxs, al,
                      bc.input_grad_gemm, n_cols=H, reduce_dim=2 * I if w3 is None else I,
                      n_slots=n_slots, top_k=K, key=key and (key, "dx"),
                      weights=topk_weights if weights_on_input else None, second=second)
     combine_triton(dxs, topk_ids, dx, E, key=key and (key, "dx"))
-    return (dx, dw13, dw2, dweights) + bias_grads
 
 
 def act_grad_triton(dA, z, topk_weights, al, dz, sa, dweights, gos, var, n_slots, I, H, top_k,

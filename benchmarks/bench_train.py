@@ -454,6 +454,9 @@ def parse_args(argv=None):
     p.add_argument("--ref-chunk-gib", type=float, default=2.0,
                    help="float32 reference run on expert groups of about this many GiB (default 2)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--x-chunks", type=int, default=None, metavar="N",
+                   help="moe_ops backward: BackwardConfig.x_chunks for every config (0: "
+                        "automatic; default: the configs' own, 1)")
     opts = p.parse_args(argv)
     opts.device = cli_device(p, opts.device)
     positive(p, opts, "warmup_ms", "rep_ms", "max_step_ms", "max_gib", "ref_chunk_gib")
@@ -472,6 +475,10 @@ def main(argv=None) -> int:
     if opts.max_step_ms is None:
         opts.max_step_ms = 400.0 if device.type == "cuda" else 2000.0
     opts.ref_chunk_bytes = int(opts.ref_chunk_gib * GiB)
+    if opts.x_chunks is not None:
+        from moe_ops.tuning import BackwardConfig, update_config_constraints
+
+        update_config_constraints(BackwardConfig, x_chunks=opts.x_chunks)
     shapes = [bm.SHAPES[n] for n in (opts.shapes or SHAPE_NAMES)]
     if opts.tiny:
         shapes = [dataclasses.replace(s, H=bm.TINY_HI[s.name][0], I=bm.TINY_HI[s.name][1])
@@ -492,7 +499,8 @@ def main(argv=None) -> int:
     run_desc = (f"bf16 fwd+bwd, grads checked (rel err <= {TOLERANCE:.0e} vs float32 reference) at "
                 f"{'every T' if opts.check_all else 'the smallest T of each shape'}, do_bench warmup "
                 f"{opts.warmup_ms:g} ms rep {opts.rep_ms:g} ms (median), steps > {opts.max_step_ms:g} ms "
-                f"timed once x3, --max-gib {opts.max_gib:g}{', tiny shapes' if opts.tiny else ''}")
+                f"timed once x3, --max-gib {opts.max_gib:g}{', tiny shapes' if opts.tiny else ''}"
+                f"{'' if opts.x_chunks is None else f', backward x_chunks={opts.x_chunks}'}")
     env.append(("run", run_desc))
     log(f"{'run':13s} {run_desc}")
 

@@ -239,6 +239,18 @@ def step_scales(s_rows, wmask, k0, K, stride_sk, BLOCK_K: tl.constexpr, WFMT: tl
 
 
 @triton.jit
+def group_scales(scale_rows, row_valid, k0, K, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):
+    """W8A8 activation scales of each row for the K step at k0 (scale_rows: each row's
+    [ceil(K / BLOCK_K)] group scales): that step's, or with AHEAD the next step's (clamped to
+    the last group: the last step's prefetch is unused)."""
+    if AHEAD:
+        group = tl.minimum(k0 + BLOCK_K, K - 1) // BLOCK_K
+    else:
+        group = k0 // BLOCK_K
+    return tl.load(scale_rows + group, mask=row_valid, other=0.0)
+
+
+@triton.jit
 def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl.constexpr,
                 WFMT: tl.constexpr, QUANT_A: tl.constexpr, EMULATE: tl.constexpr,
                 BLOCK_K: tl.constexpr, SCALAR_SCALE: tl.constexpr = False,
@@ -430,7 +442,7 @@ def quant_gate_up_kernel(
         sc_g = step_scales(g_s, n_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
         sc_u = step_scales(u_s, n_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
         if A_PREQUANT:
-            xs = tl.load(xs_ptr + tok * stride_xs, mask=row_valid, other=0.0)
+            xs = group_scales(xs_ptr + tok * stride_xs, row_valid, 0, H, BLOCK_K, False)
     for k0 in range(0, H, BLOCK_K):
         k_mask = k_in_range(offs_k, H - k0, EVEN_K)
         if PREFETCH_SCALES:
@@ -447,11 +459,9 @@ def quant_gate_up_kernel(
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
             if PREFETCH_SCALES:
                 a_scale = xs
-                xs = tl.load(xs_ptr + tok * stride_xs + tl.minimum(k0 + BLOCK_K, H - 1) // BLOCK_K,
-                             mask=row_valid, other=0.0)
+                xs = group_scales(xs_ptr + tok * stride_xs, row_valid, k0, H, BLOCK_K, True)
             else:
-                a_scale = tl.load(xs_ptr + tok * stride_xs + k0 // BLOCK_K, mask=row_valid,
-                                  other=0.0)
+                a_scale = group_scales(xs_ptr + tok * stride_xs, row_valid, k0, H, BLOCK_K, False)
         else:
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A, WEIGHTS_ON_INPUT,
                                 OP_DTYPE, EMULATE)
@@ -534,7 +544,7 @@ def quant_down_kernel(
     if PREFETCH_SCALES:
         sc = step_scales(s_n, n_mask, 0, I, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
         if QUANT_A and not QUANT_GATHER:
-            xs = tl.load(act_scale_ptr + rows * stride_as, mask=row_valid, other=0.0)
+            xs = group_scales(act_scale_ptr + rows * stride_as, row_valid, 0, I, BLOCK_K, False)
     for k0 in range(0, I, BLOCK_K):
         k_mask = k_in_range(offs_k, I - k0, EVEN_K)
         if PREFETCH_SCALES:
@@ -549,12 +559,11 @@ def quant_down_kernel(
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
             if PREFETCH_SCALES:
                 a_scale = xs
-                xs = tl.load(act_scale_ptr + rows * stride_as
-                             + tl.minimum(k0 + BLOCK_K, I - 1) // BLOCK_K, mask=row_valid,
-                             other=0.0)
+                xs = group_scales(act_scale_ptr + rows * stride_as, row_valid, k0, I, BLOCK_K,
+                                  True)
             else:
-                a_scale = tl.load(act_scale_ptr + rows * stride_as + k0 // BLOCK_K,
-                                  mask=row_valid, other=0.0)
+                a_scale = group_scales(act_scale_ptr + rows * stride_as, row_valid, k0, I,
+                                       BLOCK_K, False)
         else:
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, False, False, OP_DTYPE, EMULATE)
         b, sb = weight_tile(w_n, s_n, n_mask, k0, I, stride_wk, stride_sk, OP_DTYPE, WFMT,

@@ -335,7 +335,7 @@ def test_persistent_weight_grads_lpt_deal(interpreter, routing, monkeypatch):
 @pytest.mark.parametrize("case", ["plain", "persistent_f16", "w3", "weights_on_input",
                                   "transposed_w13"])
 def test_x_chunks_match_one_chunk(interpreter, monkeypatch, case):
-    """x gathered and dW13 computed in 2 and 4 column chunks of H (dx then computed first): dx,
+    """x gathered and dW13 computed in 2 and 4 column chunks of H: dx,
     dW2 and d topk_weights bit for bit as with one chunk, dW13 (and dW3) within rounding. Each
     dW13 element is the same sum over the rows, but the interpreter computes tl.dot with numpy,
     whose BLAS may order a sum differently for another tile width (float32: 2.4e-7 seen); on

@@ -88,9 +88,10 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     prec = dot_precision(dt)
 
     # Buffers are allocated in the order of use and freed after their last one: the weight
-    # gradients just before their GEMMs, x gathered only once dO and s*a are gone. The peak is
-    # the larger of dO gathered + dz + s*a + z + dA (the activation gradient) and dW2 + dW13 +
-    # dz + x gathered + z (dW13's GEMM), besides dx and the inputs.
+    # gradients just before their GEMMs, x gathered (in bc.x_chunks column chunks) only once
+    # dO, s*a and dx's per-slot buffer are gone. The peak is the largest of dO gathered + dz +
+    # s*a + z + dA (the activation gradient), dW2 + dO gathered + dz + s*a (dW2's GEMM), and
+    # dW2 + dW13 + dz + z + x gathered / x_chunks (dW13's), besides dx and the inputs.
     gos = gather_rows_triton(grad_out, al, n_slots, K, key=key and (key, "dO"))
     dz = torch.empty(al.max_rows, 2 * I, dtype=dt, device=dev)
     sa = torch.empty(al.max_rows, I, dtype=dt, device=dev)
@@ -129,14 +130,24 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     dw2 = empty_grad(w2)
     weight_grad_triton(gos, sa, dw2, al, bc.weight_grad, prec, key=key and (key, "dW2"))
     del gos, sa
-    n_x = x_chunks(bc, H, al.max_rows * H * hidden.element_size(), dz.numel() * dz.element_size())
-    if n_x > 1:   # dx first: its per-slot buffer is gone before dW13's stage
-        _input_grad(dz, w13, w3, topk_weights, topk_ids, dx, al, bc, n_slots, K, I, H, E,
-                    weights_on_input, key)
+    # dx: per-slot dz[row] @ W13_e ([2I] x [2I, H]), then the forward's deterministic combine;
+    # before dW13, so that its per-slot buffer is gone by dW13's stage.
+    dxs = torch.empty(n_slots, H, dtype=dt, device=dev)
+    # (weights_on_input: dx_t = sum_k s dh W13_e, the routing weight in the row GEMM's epilogue)
+    # (w3: dz's gate columns against w13, then its up columns against w3, in one sum)
+    second = None if w3 is None else (w3, (w3.stride(0), w3.stride(2), w3.stride(1)), I)
+    rows_gemm_triton(dz, w13, (w13.stride(0), w13.stride(2), w13.stride(1)), dxs, al,
+                     bc.input_grad_gemm, n_cols=H, reduce_dim=2 * I if w3 is None else I,
+                     n_slots=n_slots, top_k=K, key=key and (key, "dx"),
+                     weights=topk_weights if weights_on_input else None, second=second)
+    combine_triton(dxs, topk_ids, dx, E, key=key and (key, "dx"))
+    del dxs
+
     dw13 = empty_grad(w13)
     dw3 = None if w3 is None else empty_grad(w3)
     if dw3 is not None:
         bias_grads = (db13, db2, dw3)
+    n_x = x_chunks(bc, H, al.max_rows * H * hidden.element_size(), dz.numel() * dz.element_size())
     width = H // n_x
     for c in range(n_x):
         cols = slice(c * width, (c + 1) * width)
@@ -153,24 +164,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
             weight_grad_triton(dz[:, I:], xs, dw3[:, :, cols], al, bc.weight_grad, prec,
                                key=ck and (ck, "dW3"))
         del xs
-    if n_x == 1:
-        _input_grad(dz, w13, w3, topk_weights, topk_ids, dx, al, bc, n_slots, K, I, H, E,
-                    weights_on_input, key)
     return (dx, dw13, dw2, dweights) + bias_grads
-
-
-def _input_grad(dz, w13, w3, topk_weights, topk_ids, dx, al, bc, n_slots, K, I, H, E,
-                weights_on_input, key):
-    """dx: per-slot dz[row] @ W13_e ([2I] x [2I, H]), then the forward's deterministic combine.
-    (weights_on_input: dx_t = sum_k s dh W13_e, the routing weight in the row GEMM's epilogue;
-    w3: dz's gate columns against w13, then its up columns against w3, in one sum)"""
-    dxs = torch.empty(n_slots, H, dtype=dx.dtype, device=dx.device)
-    second = None if w3 is None else (w3, (w3.stride(0), w3.stride(2), w3.stride(1)), I)
-    rows_gemm_triton(dz, w13, (w13.stride(0), w13.stride(2), w13.stride(1)), dxs, al,
-                     bc.input_grad_gemm, n_cols=H, reduce_dim=2 * I if w3 is None else I,
-                     n_slots=n_slots, top_k=K, key=key and (key, "dx"),
-                     weights=topk_weights if weights_on_input else None, second=second)
-    combine_triton(dxs, topk_ids, dx, E, key=key and (key, "dx"))
 
 
 def act_grad_triton(dA, z, topk_weights, al, dz, sa, dweights, gos, var, n_slots, I, H, top_k,

@@ -78,9 +78,8 @@ class BackwardConfig:
     input_grad_gemm: RowGemmConfig        # dx = dz W13_e
     weight_grad: WeightGradConfig
     activation_grad: ActivationGradConfig = ActivationGradConfig()
-    # dW13 in column chunks of H (x gathered one chunk at a time; dx computed before dW13), so
-    # that its stage holds x/x_chunks instead of all of x gathered: the same sums, less peak
-    # memory. 1: one chunk; 0: automatic (moe_ops.launch.dispatch_backward.x_chunks)
+    # dW13 in column chunks of H (x gathered one chunk at a time), so that its stage holds
+    # x/x_chunks instead of all of x gathered: the same sums, less peak memory. 1: one chunk; 0: automatic (moe_ops.launch.dispatch_backward.x_chunks)
     x_chunks: int = 1
 
 

@@ -361,7 +361,7 @@ def test_x_chunks_match_one_chunk(interpreter, monkeypatch, case):
         kw["w3"] = w13[:, I:].clone()
     go = torch.randn(T, H, generator=g).to(dtype)
     cfg = dispatch_config(T, E, K, H, I, "cpu", dtype)
-    bc = backward_config(cfg, "cpu", dtype)
+    bc = dataclasses.replace(backward_config(cfg, "cpu", dtype), x_chunks=1)
     if case == "persistent_f16":
         bc = with_weight_grad(bc, persistent=True)
     _poison_empty(monkeypatch)
@@ -385,9 +385,9 @@ def test_x_chunks_match_one_chunk(interpreter, monkeypatch, case):
 
 
 def test_x_chunks_rule_and_bad_values():
-    """Automatic: the fewest of 1, 2, 4 chunks that keeps a chunk of gathered x at most half of
-    dz, widths multiples of 128; an explicit count must split H into widths that are multiples
-    of 8 (a ValueError naming the field otherwise)."""
+    """Automatic (the default): two chunks where gathered x is more than half of dz and the
+    halves are multiples of 128 wide, else one; an explicit count must split H into widths that
+    are multiples of 8 (a ValueError naming the field otherwise)."""
     import dataclasses
 
     from moe_ops.launch.dispatch_backward import x_chunks
@@ -395,10 +395,13 @@ def test_x_chunks_rule_and_bad_values():
 
     bc = backward_config(dispatch_config(64, 8, 2, 64, 32, "cpu", torch.float32), "cpu",
                          torch.float32)
-    auto = dataclasses.replace(bc, x_chunks=0)
+    assert bc.x_chunks == 0
+    auto, bc = bc, dataclasses.replace(bc, x_chunks=1)
     rows = 70000
-    # Qwen3-30B-A3B (H=2048, I=768): x is 1.33x dz -> 4 chunks (each 0.33x dz)
-    assert x_chunks(auto, 2048, rows * 2048 * 2, rows * 1536 * 2) == 4
+    # Qwen3-30B-A3B (H=2048, I=768): x is 1.33x dz -> 2 chunks
+    assert x_chunks(auto, 2048, rows * 2048 * 2, rows * 1536 * 2) == 2
+    # DeepSeek-V3 (H=7168, I=2048): x is 1.75x dz -> 2 chunks (never more)
+    assert x_chunks(auto, 7168, rows * 7168 * 2, rows * 4096 * 2) == 2
     # OLMoE (H=2048, I=1024): x = dz -> 2 chunks
     assert x_chunks(auto, 2048, rows * 2048 * 2, rows * 2048 * 2) == 2
     # Mixtral (H=4096, I=14336): x well under dz -> 1

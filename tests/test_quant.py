@@ -750,3 +750,22 @@ def test_fp8_scalar_weight_scale(interpreter):
     assert rel_err(scalar, cols.double()) < 1e-6
     same_q, _ = _errors(scalar, args, kw)
     assert same_q < 1e-4, same_q
+
+
+def test_gpu_heuristic_row_blocks():
+    """The GPU tiles the heuristic picks (no GPU needed: a pure function of the shape): W8A8
+    takes 128-row blocks from 256 rows per expert and 64-row blocks below (both wgmma, the same
+    sums), the weight-only FP8 path 64-row blocks; MXFP4 128-row transposed tiles from 128 rows
+    per expert."""
+    from moe_ops.launch.quant import quant_dispatch_config
+
+    def cfg(T, E, K, fmt, quant_a=True):
+        return quant_dispatch_config(T, E, K, 2048, 768, fmt, 128, "cuda", quant_a=quant_a)
+
+    assert [cfg(T, 128, 8, "fp8").block_m for T in (1, 8, 128, 2048, 4095, 4096, 8192)] == \
+        [64, 64, 64, 64, 64, 128, 128]
+    assert cfg(8192, 128, 8, "fp8", quant_a=False).block_m == 64
+    big = cfg(8192, 128, 8, "fp8")
+    assert (big.block_n1, big.num_warps, big.num_stages) == (128, 8, 4)
+    assert [cfg(T, 32, 4, "mxfp4").block_m for T in (512, 1024)] == [64, 128]
+    assert all(cfg(T, 32, 4, "mxfp4").mxfp4_swap_ab for T in (1, 512, 1024))

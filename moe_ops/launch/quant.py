@@ -119,8 +119,14 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
         # is one bk group of the activation it quantizes (128 columns: two [64, 128] float32
         # accumulators). Four stages: one more K step in flight, the same sums (bit-equal);
         # H100, two runs: Qwen3-30B-A3B T=1 40.5 -> 37.8 us, T=8 1.02x, T=2048 1.04x, T=8192
-        # 1.01x; DeepSeek-V3 T=1 1.01x, T=2048 4752 -> 4585 us.
-        return QuantDispatchConfig(block_m=64, block_n1=bk if quant_a else 64, block_n2=128,
+        # 1.01x; DeepSeek-V3 T=1 1.01x, T=2048 4752 -> 4585 us. From 256 rows per expert,
+        # 128-row blocks (two 64-row wgmma halves, the same sums: outputs bit-equal to the
+        # 64-row tiles): each weight tile is read for twice the rows. H100, same run:
+        # DeepSeek-V3 T=8192 (256 rows) 1.14x, Qwen3-30B-A3B T=8192 (512 rows) 1.06x; at 64
+        # and 128 rows (DeepSeek-V3 / Qwen3 T=2048) 1.00x / 0.98x, so not below 256. W8A8 only
+        # (the weight-only path's 128-row tiles are not measured).
+        return QuantDispatchConfig(block_m=128 if quant_a and rows >= 256 else 64,
+                                   block_n1=bk if quant_a else 64, block_n2=128,
                                    block_k=block_k, group_m=8, num_warps=8, num_stages=4)
     return QuantDispatchConfig(block_m=block_m, block_n1=64, block_n2=128, block_k=block_k,
                                group_m=8, num_warps=4 if block_m < 64 else 8,

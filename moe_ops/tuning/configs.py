@@ -79,8 +79,10 @@ class BackwardConfig:
     weight_grad: WeightGradConfig
     activation_grad: ActivationGradConfig = ActivationGradConfig()
     # dW13 in column chunks of H (x gathered one chunk at a time), so that its stage holds
-    # x/x_chunks instead of all of x gathered: the same sums, less peak memory. 1: one chunk; 0: automatic (moe_ops.launch.dispatch_backward.x_chunks)
-    x_chunks: int = 1
+    # x/x_chunks instead of all of x gathered: the same sums, less peak memory. 1: one chunk;
+    # 0 (default): automatic (moe_ops.launch.dispatch_backward.x_chunks: two where gathered x
+    # is more than half of dz)
+    x_chunks: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

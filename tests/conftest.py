@@ -209,3 +209,21 @@ def spy_kernel_launches(monkeypatch, module, record):
         return Grid()
 
     monkeypatch.setattr(module, "kernel_for", spy)
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory_after_gpu_tests(request):
+    """After a GPU test: drop the last failure's traceback (pytest keeps it in sys.last_*, and
+    its frames hold the failed test's tensors) and return cached blocks, so that one test that
+    ran out of memory does not make the next ones run out too."""
+    yield
+    if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_initialized():
+        return
+    import gc
+    import sys
+
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    gc.collect()
+    torch.cuda.empty_cache()

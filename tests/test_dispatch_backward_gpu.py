@@ -9,7 +9,7 @@ import triton.language as tl  # noqa: F401
 
 from conftest import assert_same_selection, nan_summary, rel_err  # noqa: F401
 from gpu_utils import (BWD_RTOL, GPU_RTOL, SHAPES, _inputs, _oracle,  # noqa: F401
-                       _poison_allocator, start_gpu_noise)
+                       _poison_allocator, deepseek_backward_experts, start_gpu_noise)
 from moe_ops.launch.dispatch import dispatch_triton  # noqa: F401
 from moe_ops.ops.samples import make_dispatch_inputs  # noqa: F401
 from moe_ops.reference import dispatch_reference, route_reference  # noqa: F401
@@ -53,8 +53,8 @@ def test_backward_parity_benchmark_shapes(name, dtype, T, path):
 
     # DeepSeek-V3 at full E: weights + our grads + the reference's float32 grads (and float32
     # per-expert temporaries) ran out of the H200's 139 GiB (2026-11-29), in the oracle, not in
-    # moe_ops. Its H and I are kept; E is cut to 64 experts.
-    E = 64 if name == "deepseek_v3_routed" else None
+    # moe_ops. Its H and I are kept; E is cut (gpu_utils.deepseek_backward_experts).
+    E = deepseek_backward_experts() if name == "deepseek_v3_routed" else None
     args = _inputs(name, T, dtype, seed=T + 1, num_experts=E)
     go = torch.randn(T, args[0].shape[1], device="cuda", dtype=dtype)
     _poison_allocator()
@@ -135,7 +135,7 @@ def test_weight_grad_persistent_matches_per_tile(name, routing):
     from moe_ops.tuning.heuristics import backward_config, dispatch_config
 
     T = 2048
-    E = 64 if name == "deepseek_v3_routed" else None
+    E = deepseek_backward_experts() if name == "deepseek_v3_routed" else None
     hidden, w13, w2, tw, ids = _inputs(name, T, torch.bfloat16, routing=routing, seed=21,
                                        num_experts=E)
     go = torch.randn(T, hidden.shape[1], device="cuda", dtype=torch.bfloat16)

@@ -387,9 +387,13 @@ def quant_gate_up_kernel(
     DIRECT: tl.constexpr, A_PREQUANT: tl.constexpr = False, SCALAR_SCALE: tl.constexpr = False,
     BIT_DECODE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
     ACT_F32: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-    PREFETCH_SCALES: tl.constexpr = False,
+    PREFETCH_SCALES: tl.constexpr = False, STACK_GU: tl.constexpr = False,
 ):
-    """A_PREQUANT (W8A8): x_ptr is hidden already quantized per token and bk columns by
+    """STACK_GU (MXFP4 with SWAP_AB): the tile's gate and up rows are one [2 * BLOCK_N,
+    BLOCK_K] decoded tile (with gate_up_interleaved, 2 * BLOCK_N consecutive rows of w13) and
+    one MMA chain per K step instead of two; the accumulator is split back into gate and up
+    before the epilogue. Each output element is the same sum over the same K steps.
+    A_PREQUANT (W8A8): x_ptr is hidden already quantized per token and bk columns by
     quantize_groups_kernel (e4m3, scales at xs_ptr [T, H / bk]): the same values load_a would
     compute, once per token instead of once per program. SWAP_AB (MXFP4): the products are
     computed transposed (weights x rows^T, accumulators [BLOCK_N, BLOCK_M]) and turned back
@@ -427,7 +431,22 @@ def quant_gate_up_kernel(
         g_s, u_s = s_e + (g_rows // scale_bn) * stride_sn, s_e + (u_rows // scale_bn) * stride_sn
     else:
         g_s, u_s = s_e + g_rows * stride_sn, s_e + u_rows * stride_sn
-    if SWAP_AB:
+    g_mask = n_mask
+    if STACK_GU:   # the gate path walks the stacked tile; the up path is not used
+        offs_j = tl.arange(0, 2 * BLOCK_N)
+        if INTERLEAVED:
+            st_rows = 2 * pid_n.to(tl.int64) * BLOCK_N + offs_j
+            g_mask = pid_n * BLOCK_N + offs_j // 2 < I
+        else:
+            n_j = pid_n * BLOCK_N + offs_j % BLOCK_N
+            st_rows = tl.where(offs_j >= BLOCK_N, n_j.to(tl.int64) + I, n_j.to(tl.int64))
+            g_mask = n_j < I
+        g_w = w_e + st_rows * stride_wn
+        g_s = s_e + st_rows * stride_sn
+    if STACK_GU:
+        acc_g = tl.zeros((2 * BLOCK_N, BLOCK_M), tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    elif SWAP_AB:
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     else:
@@ -439,22 +458,28 @@ def quant_gate_up_kernel(
     sc_u = 0
     xs = 0
     if PREFETCH_SCALES:
-        sc_g = step_scales(g_s, n_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
-        sc_u = step_scales(u_s, n_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
+        sc_g = step_scales(g_s, g_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
+        if not STACK_GU:
+            sc_u = step_scales(u_s, n_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
         if A_PREQUANT:
             xs = group_scales(xs_ptr + tok * stride_xs, row_valid, 0, H, BLOCK_K, False)
     for k0 in range(0, H, BLOCK_K):
         k_mask = k_in_range(offs_k, H - k0, EVEN_K)
         if PREFETCH_SCALES:
-            sc_g_next = step_scales(g_s, n_mask, k0 + BLOCK_K, H, stride_sk, BLOCK_K, WFMT,
+            sc_g_next = step_scales(g_s, g_mask, k0 + BLOCK_K, H, stride_sk, BLOCK_K, WFMT,
                                     SCALAR_SCALE)
-            sc_u_next = step_scales(u_s, n_mask, k0 + BLOCK_K, H, stride_sk, BLOCK_K, WFMT,
-                                    SCALAR_SCALE)
+            sc_u_next = sc_u
+            if not STACK_GU:
+                sc_u_next = step_scales(u_s, n_mask, k0 + BLOCK_K, H, stride_sk, BLOCK_K, WFMT,
+                                        SCALAR_SCALE)
             sc_g_now = sc_g
             sc_u_now = sc_u
         else:
-            sc_g_now = step_scales(g_s, n_mask, k0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
-            sc_u_now = step_scales(u_s, n_mask, k0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
+            sc_g_now = step_scales(g_s, g_mask, k0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
+            sc_u_now = sc_u
+            if not STACK_GU:
+                sc_u_now = step_scales(u_s, n_mask, k0, H, stride_sk, BLOCK_K, WFMT,
+                                       SCALAR_SCALE)
         if A_PREQUANT:
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
             if PREFETCH_SCALES:
@@ -465,21 +490,29 @@ def quant_gate_up_kernel(
         else:
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A, WEIGHTS_ON_INPUT,
                                 OP_DTYPE, EMULATE)
-        bg, sg = weight_tile(g_w, g_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
+        bg, sg = weight_tile(g_w, g_s, g_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
                              QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K,
                              sc_g_now)
         acc_g = mma_step(acc_g, a, a_scale, bg, sg, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
                          SWAP_AB)
-        bu, su = weight_tile(u_w, u_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K,
-                             sc_u_now)
-        acc_u = mma_step(acc_u, a, a_scale, bu, su, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
-                         SWAP_AB)
+        if not STACK_GU:
+            bu, su = weight_tile(u_w, u_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
+                                 QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,
+                                 EVEN_K, sc_u_now)
+            acc_u = mma_step(acc_u, a, a_scale, bu, su, WFMT, QUANT_A, DOT_PRECISION,
+                             SCALAR_SCALE, SWAP_AB)
         a_ptrs += BLOCK_K * stride_xh
         if PREFETCH_SCALES:
             sc_g = sc_g_next
             sc_u = sc_u_next
-    if SWAP_AB:
+    if STACK_GU:
+        acc_t = tl.trans(acc_g)
+        if INTERLEAVED:
+            acc_g, acc_u = tl.split(tl.reshape(acc_t, (BLOCK_M, BLOCK_N, 2)))
+        else:
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc_t, (BLOCK_M, 2, BLOCK_N)),
+                                               (0, 2, 1)))
+    elif SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
     if HAS_BIAS:

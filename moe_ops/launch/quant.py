@@ -70,6 +70,10 @@ class QuantDispatchConfig:
     # its gather (the same e4m3 values and scales as the epilogue's quantization), so block_n1
     # need not be bk: at decode, narrower gate+up tiles give more programs
     act_quant_in_down: bool = False
+    # MXFP4 with mxfp4_swap_ab: the gate and up rows of a tile decoded as one [2 * block_n1,
+    # block_k] tile and multiplied by one MMA chain per K step (quant_gemm: STACK_GU); the same
+    # sums. Not measured on a GPU yet: off.
+    mxfp4_stacked_gate_up: bool = False
 
 
 def has_dot_scaled() -> bool:
@@ -255,7 +259,8 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         ACTIVATION=ACTIVATIONS.index(activation), INTERLEAVED=bool(gate_up_interleaved),
         HAS_BIAS=w13_bias is not None, WEIGHTS_ON_INPUT=bool(weights_on_input),
         BLOCK_N=cfg.block_n1, A_PREQUANT=prequant, SCALAR_SCALE=scalar13, ACT_F32=act_f32,
-        EVEN_K=H % cfg.block_k == 0, **common,
+        EVEN_K=H % cfg.block_k == 0,
+        STACK_GU=bool(common["SWAP_AB"] and cfg.mxfp4_stacked_gate_up), **common,
     )
     fk = launch_key(key and (key, "down"), *bufs)
     kernel_for(quant_down_kernel, dev, fk)[(n_blocks * cdiv(H, cfg.block_n2),)](

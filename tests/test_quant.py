@@ -641,6 +641,31 @@ def test_mxfp4_swap_ab_path(interpreter, T):
     assert rel_err(out, plain.double()) < 1e-5
 
 
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("T", [1, 7])
+def test_mxfp4_stacked_gate_up(interpreter, T, interleaved):
+    """Gate and up rows decoded as one tile (QuantDispatchConfig.mxfp4_stacked_gate_up, with
+    the transposed products) match the reference, with gpt-oss's interleaved rows, biases and
+    activation or the plain [gate; up] layout, a K tail (H = 96) and a dropped id, and agree with
+    the unstacked form (each output the same sum; the interpreter's numpy dot may order it
+    differently for another tile shape)."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+
+    args, kw, biases = mxfp4_inputs(T, 96, 64, 4, 2, routing="negative")
+    more = (dict(activation="swiglu_oai", gate_up_interleaved=True, **biases) if interleaved
+            else dict(activation="silu"))
+    base = dataclasses.replace(quant_dispatch_config(T, 4, 2, 96, 64, "mxfp4", 32, "cpu"),
+                               mxfp4_swap_ab=True)
+    out = dispatch_quantized(*args, **kw, **more, out=_poisoned(args[0]),
+                             config=dataclasses.replace(base, mxfp4_stacked_gate_up=True))
+    ref = quantized_dispatch_reference(*args, **kw, **more)
+    assert rel_err(out, ref) < 1e-5
+    plain = dispatch_quantized(*args, **kw, **more, config=base)
+    assert rel_err(out, plain.double()) < 1e-6
+
+
 @pytest.mark.parametrize("T", [1, 7])
 def test_prefetched_scales_are_bit_equal(interpreter, T):
     """Scales loaded one K step ahead (QuantDispatchConfig.prefetch_scales) give the in-step

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU machine: the GPU test suite and/or the benchmarks, from a checkout (no install needed).
 # Logs and tables go to ${OUT:-.}.
-#   MOE_OPS_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_gpu.sh [tests|bench|all]
+#   MOE_OPS_COMMIT=<commit> bash benchmarks/run_gpu.sh [tests|bench|all]
+# (write the commit into the command, from `git rev-parse --short HEAD` here: a copied tree's
+# .git can be older than its files, and the benchmarks record MOE_OPS_COMMIT first)
 # Environment: TEST_TIMEOUT (s per test group, 420), BENCH_TIMEOUT (240), TRAIN_TIMEOUT (150),
 # TRAIN_ARGS (extra bench_train.py flags, e.g. "--tokens 8192"), DECODE_TIMEOUT (90; 0 skips
 # examples/cuda_graph_decode.py), EXAMPLE_TIMEOUT (0 skips examples/train_moe.py --device cuda),

@@ -65,12 +65,10 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
                                                           memory_format=torch.contiguous_format)
     db2 = None if w2_bias is None else torch.empty_like(w2_bias,
                                                        memory_format=torch.contiguous_format)
-    bias_grads = () if db13 is None and db2 is None else (db13, db2)
     if T * K == 0 or E == 0:   # no slot reaches an expert: every gradient is zero
-        if w3 is not None:
-            bias_grads = (db13, db2, empty_grad(w3))
+        extra = _extra_grads(db13, db2, w3, None if w3 is None else empty_grad(w3))
         return (dx.zero_(), empty_grad(w13).zero_(), empty_grad(w2).zero_(), dweights) + tuple(
-            None if b is None else b.zero_() for b in bias_grads)
+            None if b is None else b.zero_() for b in extra)
     cfg = config or dispatch_config(T, E, K, H, I, dev.type, dt)
     bc = bwd_config or backward_config(cfg, dev.type, dt, rows_per_expert=T * K / E,
                                         inter_size=I)
@@ -81,7 +79,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     key = (cfg, bc, tensor_key(grad_out), tensor_key(hidden), tensor_key(w13), tensor_key(w2),
            tensor_key(topk_weights), tensor_key(topk_ids), z is None or tensor_key(z),
            tuple(t.data_ptr() % 16 for t in (dx, dweights)), var.key(),
-           tuple(None if b is None else tensor_key(b) for b in bias_grads)) \
+           tuple(None if b is None else tensor_key(b) for b in (db13, db2))) \
         if dev.type == "cuda" else None
     al = align_triton(topk_ids, E, cfg.block_m)
     n_slots = T * K
@@ -145,8 +143,6 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
 
     dw13 = empty_grad(w13)
     dw3 = None if w3 is None else empty_grad(w3)
-    if dw3 is not None:
-        bias_grads = (db13, db2, dw3)
     n_x = x_chunks(bc, H, al.max_rows * H * hidden.element_size(), dz.numel() * dz.element_size())
     width = H // n_x
     for c in range(n_x):
@@ -164,7 +160,15 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
             weight_grad_triton(dz[:, I:], xs, dw3[:, :, cols], al, bc.weight_grad, prec,
                                key=ck and (ck, "dW3"))
         del xs
-    return (dx, dw13, dw2, dweights) + bias_grads
+    return (dx, dw13, dw2, dweights) + _extra_grads(db13, db2, w3, dw3)
+
+
+def _extra_grads(db13, db2, w3, dw3) -> tuple:
+    """What follows (dx, dw13, dw2, dweights): (d w13_bias, d w2_bias) where a bias or w3 is
+    given (None for an absent bias), then d w3 where w3 is given."""
+    if w3 is not None:
+        return (db13, db2, dw3)
+    return () if db13 is None and db2 is None else (db13, db2)
 
 
 def act_grad_triton(dA, z, topk_weights, al, dz, sa, dweights, gos, var, n_slots, I, H, top_k,

@@ -456,7 +456,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--x-chunks", type=int, default=None, metavar="N",
                    help="moe_ops backward: BackwardConfig.x_chunks for every config (0: "
-                        "automatic; default: the configs' own, 1)")
+                        "automatic, the configs' default)")
     opts = p.parse_args(argv)
     opts.device = cli_device(p, opts.device)
     positive(p, opts, "warmup_ms", "rep_ms", "max_step_ms", "max_gib", "ref_chunk_gib")

@@ -115,7 +115,7 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
                                    block_k=64 if T >= 32 else 128, group_m=8, num_warps=4,
                                    num_stages=3, mxfp4_swap_ab=True)
     if fmt == "fp8":
-        # 64-row blocks and 8 warps at every T: Hopper's FP8 wgmma (64-row tiles) and mma.sync
+        # wgmma tiles and 8 warps at every T: Hopper's FP8 wgmma (64-row tiles) and mma.sync
         # (16/32-row tiles) round their float32 sums differently (relative difference 5e-3 on
         # the H100), so one MMA kind at every T keeps a token's output independent of the batch;
         # at decode this costs 0-3% (H100: Qwen3-30B-A3B T=1/8/128 41.9/120.5/252.8 ->

@@ -197,6 +197,27 @@ def test_backward_default_kernels_exact_beside_another_gpu_process():
         noise.wait()
 
 
+def _peak_beyond_allocated(run):
+    """run()'s result and its peak memory beyond what was allocated before it (after a warm-up
+    call: compile, configs)."""
+    run()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = run()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
+def _backward_buffer_bytes(T, K, E, H, I):
+    """Bytes of the backward's transient bf16 buffers (dA float32) at the largest aligned row
+    count (at most block_m - 1 = 127 padding rows per expert): x or dO gathered, dz, s*a, dA,
+    and dx's per-slot buffer."""
+    slots, rows = T * K, T * K + E * 128
+    return dict(gathered=rows * H * 2, dz=rows * 2 * I * 2, sa=rows * I * 2, dA=slots * I * 4,
+                dxs=slots * H * 2, z=slots * 2 * I * 2)
+
+
 @pytest.mark.parametrize("path", ["saved", "recompute"])
 def test_backward_peak_memory_follows_the_order_of_use(path):
     """The backward's transient peak beyond its inputs is its largest stage, not the sum of its
@@ -213,19 +234,12 @@ def test_backward_peak_memory_follows_the_order_of_use(path):
     z = torch.ops.moe.dispatch_train(*args)[1] if path == "saved" else None
     run = (lambda: torch.ops.moe.dispatch_backward_saved(go, z, *args)) if z is not None else (
         lambda: torch.ops.moe.dispatch_backward(go, *args))
-    run()   # warm-up: compile, configs
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    grads = run()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    slots, rows = T * K, T * K + E * 128   # aligned rows: at most block_m - 1 padding per expert
+    grads, peak = _peak_beyond_allocated(run)
+    b = _backward_buffer_bytes(T, K, E, H, I)
     nbytes = [g.numel() * g.element_size() for g in grads[:4]]   # dx, dw13, dw2, dweights
-    gathered, dz, sa, dA = rows * H * 2, rows * 2 * I * 2, rows * I * 2, slots * I * 4
-    act_grad = gathered + dz + sa + dA + (slots * 2 * I * 2 if z is None else 0)
-    dw2_stage = nbytes[2] + gathered + dz + sa
-    dw13_stage = nbytes[2] + nbytes[1] + dz + max(gathered, slots * H * 2)
+    act_grad = b["gathered"] + b["dz"] + b["sa"] + b["dA"] + (b["z"] if z is None else 0)
+    dw2_stage = nbytes[2] + b["gathered"] + b["dz"] + b["sa"]
+    dw13_stage = nbytes[2] + nbytes[1] + b["dz"] + max(b["gathered"], b["dxs"])
     bound = nbytes[0] + nbytes[3] + max(act_grad, dw2_stage, dw13_stage) + (16 << 20)
     assert peak <= bound, (peak / 2**30, bound / 2**30)
     assert bound < nbytes[1] + nbytes[2] + act_grad   # the order of use is what the bound tests
@@ -252,24 +266,20 @@ def test_x_chunks_bit_equal_and_lower_peak():
     bc = backward_config(cfg, "cuda", torch.bfloat16, rows_per_expert=T * K / E, inter_size=I)
     assert bc.x_chunks == 0
     auto, bc = bc, dataclasses.replace(bc, x_chunks=1)
-    slots, rows = T * K, T * K + E * 128
-    assert x_chunks(auto, H, rows * H * 2, rows * 2 * I * 2) == 2
+    b = _backward_buffer_bytes(T, K, E, H, I)
+    assert x_chunks(auto, H, b["gathered"], b["dz"]) == 2
     grads = {}
-    for label, b in (("one", bc), ("auto", auto), ("four", dataclasses.replace(bc, x_chunks=4))):
-        dispatch_backward_triton(go, *args, z=z, config=cfg, bwd_config=b)   # warm-up
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        grads[label] = dispatch_backward_triton(go, *args, z=z, config=cfg, bwd_config=b)
-        torch.cuda.synchronize()
-        grads[label + "_peak"] = torch.cuda.max_memory_allocated() - base
+    for label, bwd in (("one", bc), ("auto", auto),
+                       ("four", dataclasses.replace(bc, x_chunks=4))):
+        grads[label], grads[label + "_peak"] = _peak_beyond_allocated(
+            lambda bwd=bwd: dispatch_backward_triton(go, *args, z=z, config=cfg, bwd_config=bwd))
     nbytes = [g.numel() * g.element_size() for g in grads["one"][:4]]   # dx, dw13, dw2, dweights
-    gathered, dz, sa, dA = rows * H * 2, rows * 2 * I * 2, rows * I * 2, slots * I * 4
     for label, n in (("auto", 2), ("four", 4)):
-        for a, b in zip(grads[label], grads["one"]):
-            assert torch.equal(a, b), label
-        stages = (gathered + dz + sa + dA, nbytes[2] + gathered + dz + sa,
-                  nbytes[2] + dz + slots * H * 2, nbytes[2] + nbytes[1] + dz + gathered // n)
+        for x, y in zip(grads[label], grads["one"]):
+            assert torch.equal(x, y), label
+        stages = (b["gathered"] + b["dz"] + b["sa"] + b["dA"],
+                  nbytes[2] + b["gathered"] + b["dz"] + b["sa"], nbytes[2] + b["dz"] + b["dxs"],
+                  nbytes[2] + nbytes[1] + b["dz"] + b["gathered"] // n)
         bound = nbytes[0] + nbytes[3] + max(stages) + (16 << 20)
         peak = grads[label + "_peak"]
         assert peak <= bound, (label, peak / 2**30, bound / 2**30)

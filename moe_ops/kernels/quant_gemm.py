@@ -443,9 +443,7 @@ def quant_gate_up_kernel(
             g_mask = n_j < I
         g_w = w_e + st_rows * stride_wn
         g_s = s_e + st_rows * stride_sn
-    if STACK_GU:
         acc_g = tl.zeros((2 * BLOCK_N, BLOCK_M), tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     elif SWAP_AB:
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)

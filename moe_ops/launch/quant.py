@@ -72,7 +72,7 @@ class QuantDispatchConfig:
     act_quant_in_down: bool = False
     # MXFP4 with mxfp4_swap_ab: the gate and up rows of a tile decoded as one [2 * block_n1,
     # block_k] tile and multiplied by one MMA chain per K step (quant_gemm: STACK_GU); the same
-    # sums. Not measured on a GPU yet: off.
+    # sums (bit-equal). The heuristic turns it on with block_n1 32 at <= 64 slots (decode).
     mxfp4_stacked_gate_up: bool = False
 
 
@@ -111,9 +111,16 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
         # H100, against the earlier untransposed 32/64-wide tiles: gpt-oss-20b T=1 76.8 -> 85.0
         # us (0.90x), T=8/32/128 1.02/1.03/1.04x; 64-wide K steps from T=32 on (1.03-1.05x;
         # at T=1 0.77x).
-        return QuantDispatchConfig(block_m=block_m, block_n1=64, block_n2=64,
+        # With at most 64 slots (T * K; few experts hit, a few hundred programs), gate and up
+        # rows are decoded as one [64, block_k] tile of 32 gate + 32 up rows (the MMA's M
+        # stays 64, the same sums: bit-equal), which gives twice the programs at 78 registers
+        # instead of 170. H100, graph replay: gpt-oss-20b T=1 81.7 -> 75.5 us (1.08x), T=8
+        # 253.2 -> 232.0 (1.09x); at 512 slots (T=128) 0.97x.
+        stacked = T * K <= 64
+        return QuantDispatchConfig(block_m=block_m, block_n1=32 if stacked else 64, block_n2=64,
                                    block_k=64 if T >= 32 else 128, group_m=8, num_warps=4,
-                                   num_stages=3, mxfp4_swap_ab=True)
+                                   num_stages=3, mxfp4_swap_ab=True,
+                                   mxfp4_stacked_gate_up=stacked)
     if fmt == "fp8":
         # wgmma tiles and 8 warps at every T: Hopper's FP8 wgmma (64-row tiles) and mma.sync
         # (16/32-row tiles) round their float32 sums differently (relative difference 5e-3 on

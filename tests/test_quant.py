@@ -641,6 +641,30 @@ def test_mxfp4_swap_ab_path(interpreter, T):
     assert rel_err(out, plain.double()) < 1e-5
 
 
+@pytest.mark.parametrize("T", [1, 7])
+def test_fp8_swap_ab_path(interpreter, T):
+    """The transposed FP8 products (QuantDispatchConfig.fp8_swap_ab: weight tile x rows^T,
+    accumulators [BLOCK_N, BLOCK_M]) match the kernel-emulating reference (W8A8) or the plain
+    reference (W8A16), with the scalar and the per-row weight scale, several K steps and a K
+    tail (H = 96, bk = 32), a dropped id, and agree with the plain form."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+
+    args, kw = fp8_inputs(T, 96, 64, 4, 2, (32, 32), routing="negative")
+    for quant_a in (True, False):
+        base = quant_dispatch_config(T, 4, 2, 96, 64, "fp8", 32, "cpu", quant_a=quant_a)
+        ref = quantized_dispatch_reference(*args, **kw, quantize_activations=quant_a)
+        for scalar in (True, False):
+            cfg = dataclasses.replace(base, scalar_weight_scale=scalar)
+            out = dispatch_quantized(*args, **kw, quantize_activations=quant_a,
+                                     out=_poisoned(args[0]),
+                                     config=dataclasses.replace(cfg, fp8_swap_ab=True))
+            assert rel_err(out, ref) < 1e-5, (quant_a, scalar)
+            plain = dispatch_quantized(*args, **kw, quantize_activations=quant_a, config=cfg)
+            assert rel_err(out, plain.double()) < 1e-6, (quant_a, scalar)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("T", [1, 7])
 def test_mxfp4_stacked_gate_up(interpreter, T, interleaved):

@@ -268,8 +268,12 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
     if WFMT == 1:
         offs_k = tl.arange(0, BLOCK_K)
         k_mask = k_in_range(offs_k, K - k0, EVEN_K)
-        b = tl.load(w_rows[None, :] + (k0 + offs_k)[:, None] * stride_wk,
-                    mask=k_mask[:, None] & wmask[None, :], other=0.0)
+        if SWAP_AB:   # [BN, BLOCK_K], the left operand of the transposed product
+            b = tl.load(w_rows[:, None] + (k0 + offs_k)[None, :] * stride_wk,
+                        mask=wmask[:, None] & k_mask[None, :], other=0.0)
+        else:
+            b = tl.load(w_rows[None, :] + (k0 + offs_k)[:, None] * stride_wk,
+                        mask=k_mask[:, None] & wmask[None, :], other=0.0)
         scale = sc   # (step_scales)
         if EMULATE:
             b = e4m3_decode(b)
@@ -316,11 +320,25 @@ def mma_step(acc, a, a_scale, b, b_scale, WFMT: tl.constexpr, QUANT_A: tl.conste
              SWAP_AB: tl.constexpr = False):
     """acc + this K step's product (see the module docstring for each format; SCALAR_SCALE: the
     FP8 weight scale is one scalar for the tile, so the promotion is one multiply-add per
-    element; SWAP_AB (MXFP4): acc is the transposed [BLOCK_N, BLOCK_M] accumulator and the
-    decoded weight tile b [BLOCK_N, BLOCK_K] the left operand, which the MMA can read from
-    registers where it was decoded). (One return: code after a return under a compile-time
+    element; SWAP_AB: acc is the transposed [BLOCK_N, BLOCK_M] accumulator and the weight tile
+    b [BLOCK_N, BLOCK_K] the left operand (MXFP4: decoded in registers, where the MMA can read
+    it; FP8: the rows become the MMA's N, 16 columns at decode instead of 64 padded rows)). (One return: code after a return under a compile-time
     `if` is still compiled.)"""
-    if WFMT == 1:
+    if WFMT == 1 and SWAP_AB:
+        # the transposed product [BLOCK_N, BLOCK_M] (the rows are the MMA's N, so a decode
+        # tile of 1..16 rows multiplies 16 columns instead of 64 rows); each element is
+        # promoted by the same float32 operations in the same order as below
+        part = tl.dot(b, tl.trans(a), input_precision=DOT_PRECISION, out_dtype=tl.float32)
+        if SCALAR_SCALE:
+            if QUANT_A:
+                acc = acc + part * (a_scale * b_scale)[None, :]
+            else:
+                acc = acc + part * b_scale
+        elif QUANT_A:
+            acc = acc + part * a_scale[None, :] * b_scale[:, None]
+        else:
+            acc = acc + part * b_scale[:, None]
+    elif WFMT == 1:
         part = tl.dot(a, b, input_precision=DOT_PRECISION, out_dtype=tl.float32)
         if SCALAR_SCALE:
             if QUANT_A:

@@ -74,6 +74,10 @@ class QuantDispatchConfig:
     # block_k] tile and multiplied by one MMA chain per K step (quant_gemm: STACK_GU); the same
     # sums (bit-equal). The heuristic turns it on with block_n1 32 at <= 64 slots (decode).
     mxfp4_stacked_gate_up: bool = False
+    # FP8: the products computed transposed (weight tile x rows^T): the row block becomes the
+    # MMA's N, so a decode tile of 16 rows runs a 16-wide wgmma instead of a 64-row one whose
+    # rows are mostly padding; the same promotion arithmetic per element
+    fp8_swap_ab: bool = False
 
 
 def has_dot_scaled() -> bool:
@@ -238,7 +242,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
                   DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
                   GROUP_M=group_m, DIRECT=direct, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages, BIT_DECODE=bit_decode,
-                  SWAP_AB=wfmt == 2 and cfg.mxfp4_swap_ab,
+                  SWAP_AB=(wfmt == 2 and cfg.mxfp4_swap_ab) or (wfmt == 1 and cfg.fp8_swap_ab),
                   PREFETCH_SCALES=wfmt in (1, 2) and cfg.prefetch_scales)
     scalar13 = (fmt == "fp8" and cfg.scalar_weight_scale and not gate_up_interleaved
                 and bn % cfg.block_n1 == 0 and I % cfg.block_n1 == 0)

@@ -29,6 +29,7 @@ and are decoded by arithmetic, activations are rounded to e4m3 by integer arithm
 dot runs in float32 on the same values."""
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moe_ops.kernels.expert_gemm import grouped_tile, row_block
 
@@ -406,6 +407,7 @@ def quant_gate_up_kernel(
     BIT_DECODE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
     ACT_F32: tl.constexpr = False, EVEN_K: tl.constexpr = False,
     PREFETCH_SCALES: tl.constexpr = False, STACK_GU: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     """STACK_GU (MXFP4 with SWAP_AB): the tile's gate and up rows are one [2 * BLOCK_N,
     BLOCK_K] decoded tile (with gate_up_interleaved, 2 * BLOCK_N consecutive rows of w13) and
@@ -416,8 +418,13 @@ def quant_gate_up_kernel(
     compute, once per token instead of once per program. SWAP_AB (MXFP4): the products are
     computed transposed (weights x rows^T, accumulators [BLOCK_N, BLOCK_M]) and turned back
     once, before the epilogue. ACT_F32 (W8A8): act is stored unquantized in float32 and the down
-    kernel quantizes it in its gather (QUANT_GATHER), so BLOCK_N need not be one bk group."""
+    kernel quantizes it in its gather (QUANT_GATHER), so BLOCK_N need not be one bk group.
+    USE_PDL (programmatic dependent launch, launched with launch_pdl=True): the program waits
+    for its predecessor (gdc_wait) before its first memory access and lets its successor
+    launch (gdc_launch_dependents) once its K loop is done."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
+    if USE_PDL:
+        gdc_wait()
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
@@ -521,6 +528,8 @@ def quant_gate_up_kernel(
         if PREFETCH_SCALES:
             sc_g = sc_g_next
             sc_u = sc_u_next
+    if USE_PDL:
+        gdc_launch_dependents()
     if STACK_GU:
         acc_t = tl.trans(acc_g)
         if INTERLEAVED:
@@ -560,11 +569,15 @@ def quant_down_kernel(
     SCALAR_SCALE: tl.constexpr = False, BIT_DECODE: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False, QUANT_GATHER: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, PREFETCH_SCALES: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     """QUANT_GATHER (W8A8): act is the gate+up kernel's float32 output (ACT_F32), quantized
     here per row and bk columns (BLOCK_K == bk) by the epilogue's arithmetic: the same e4m3
-    values and scales, computed once per N tile instead of once per row."""
+    values and scales, computed once per N tile instead of once per row. USE_PDL: as
+    quant_gate_up_kernel's."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, H, BLOCK_N, GROUP_M)
+    if USE_PDL:
+        gdc_wait()
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
@@ -623,6 +636,8 @@ def quant_down_kernel(
         a_ptrs += BLOCK_K
         if PREFETCH_SCALES:
             sc = sc_next
+    if USE_PDL:
+        gdc_launch_dependents()
     if SWAP_AB:
         acc = tl.trans(acc)
     if HAS_BIAS:
@@ -638,11 +653,16 @@ def quant_down_kernel(
 
 @triton.jit
 def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, stride_xh, stride_qt, stride_st,
-                           EMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                           EMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
     """hidden quantized per token and BLOCK_K (= bk) columns, once, for the W8A8 gate+up GEMM
     at large T: q [T, H] e4m3 (its float32 value under EMULATE) and s [T, cdiv(H, bk)] float32,
     by load_a's and quantize_rows' arithmetic (so the GEMM computes what it would compute
-    quantizing in its gather). Grid (cdiv(T, BLOCK_T), cdiv(H, BLOCK_K))."""
+    quantizing in its gather). Grid (cdiv(T, BLOCK_T), cdiv(H, BLOCK_K)). USE_PDL: waits for
+    its predecessor, then lets its successor launch at once."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     r_mask = rows < T

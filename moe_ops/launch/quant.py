@@ -18,7 +18,7 @@ from moe_ops.kernels.quant_gemm import (
     quant_gate_up_kernel,
     quantize_groups_kernel,
 )
-from moe_ops.launch._common import kernel_for
+from moe_ops.launch._common import kernel_for, pdl_args
 from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import DirectRows, combine_triton
 from moe_ops.launch.fast import launch_key, optional_tensor_key, tensor_key
@@ -78,6 +78,9 @@ class QuantDispatchConfig:
     # MMA's N, so a decode tile of 16 rows runs a 16-wide wgmma instead of a 64-row one whose
     # rows are mostly padding; the same promotion arithmetic per element
     fp8_swap_ab: bool = False
+    # programmatic dependent launch (sm_90+): each kernel of the call may launch while its
+    # predecessor finishes and waits for it before its first memory access
+    dependent_launch: bool = True
 
 
 def has_dot_scaled() -> bool:
@@ -140,6 +143,14 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
         # DeepSeek-V3 T=8192 (256 rows) 1.14x, Qwen3-30B-A3B T=8192 (512 rows) 1.06x; at 64
         # and 128 rows (DeepSeek-V3 / Qwen3 T=2048) 1.00x / 0.98x, so not below 256. W8A8 only
         # (the weight-only path's 128-row tiles are not measured).
+        # At <= 16 rows per expert (W8A8), the products transposed (fp8_swap_ab) with 16-row
+        # blocks: the rows are the wgmma's N (m64n16k32) instead of a 64-row tile of padding;
+        # the same sums (bit-equal to the 64-row tiles at T = 1..2048 on the H200, so the
+        # same class). H200, graph replay: Qwen3-30B-A3B T=1/8/128 1.04/1.08/1.08x,
+        # DeepSeek-V3 T=1/8/128 1.01/1.03/1.02x; at 128 rows per expert 0.44-0.48x.
+        if quant_a and rows <= 16:
+            return QuantDispatchConfig(block_m=16, block_n1=bk, block_n2=128, block_k=block_k,
+                                       group_m=8, num_warps=4, num_stages=4, fp8_swap_ab=True)
         return QuantDispatchConfig(block_m=128 if quant_a and rows >= 256 else 64,
                                    block_n1=bk if quant_a else 64, block_n2=128,
                                    block_k=block_k, group_m=8, num_warps=8, num_stages=4)
@@ -213,7 +224,9 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     n_slots = T * K
     # One token: row block k is slot k (its K experts are distinct), no alignment launch.
     direct = T == 1
-    al = DirectRows(topk_ids, cfg.block_m) if direct else align_triton(topk_ids, E, cfg.block_m)
+    pdl = pdl_args(cfg.dependent_launch, dev)
+    al = (DirectRows(topk_ids, cfg.block_m) if direct
+          else align_triton(topk_ids, E, cfg.block_m, pdl=bool(pdl)))
     n_blocks = al.max_rows // cfg.block_m
     rows_args = dict(ids_ptr=topk_ids, stride_ik=topk_ids.stride(1), n_experts=E)
     # The interpreter rounds float32 -> bfloat16 stores by truncation (about half of random
@@ -243,7 +256,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
                   GROUP_M=group_m, DIRECT=direct, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages, BIT_DECODE=bit_decode,
                   SWAP_AB=(wfmt == 2 and cfg.mxfp4_swap_ab) or (wfmt == 1 and cfg.fp8_swap_ab),
-                  PREFETCH_SCALES=wfmt in (1, 2) and cfg.prefetch_scales)
+                  PREFETCH_SCALES=wfmt in (1, 2) and cfg.prefetch_scales, **pdl)
     scalar13 = (fmt == "fp8" and cfg.scalar_weight_scale and not gate_up_interleaved
                 and bn % cfg.block_n1 == 0 and I % cfg.block_n1 == 0)
     scalar2 = fmt == "fp8" and cfg.scalar_weight_scale and bn % cfg.block_n2 == 0
@@ -256,7 +269,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         fk = launch_key(key and (key, "quantize"), x, xs)
         kernel_for(quantize_groups_kernel, dev, fk)[(cdiv(T, block_t), cdiv(H, bk))](
             hidden, x, xs, T, H, hidden.stride(0), hidden.stride(1), x.stride(0), xs.stride(0),
-            EMULATE=emulate, BLOCK_T=block_t, BLOCK_K=bk, num_warps=4)
+            EMULATE=emulate, BLOCK_T=block_t, BLOCK_K=bk, num_warps=4, **pdl)
     bufs = (act, act_scale, y) + (() if direct else (al.sorted_slots, al.block_expert,
                                                      al.num_rows))
     fk = launch_key(key and (key, "gate_up"), x, xs, *bufs)
@@ -287,7 +300,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     )
     if inter != out.dtype:
         out32 = torch.empty(T, H, dtype=inter, device=dev)
-        combine_triton(y, topk_ids, out32, E)
+        combine_triton(y, topk_ids, out32, E, pdl=bool(pdl))
         return out.copy_(out32)
-    combine_triton(y, topk_ids, out, E, key=key)
+    combine_triton(y, topk_ids, out, E, pdl=bool(pdl), key=key)
     return out

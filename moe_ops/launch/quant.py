@@ -79,7 +79,10 @@ class QuantDispatchConfig:
     # rows are mostly padding; the same promotion arithmetic per element
     fp8_swap_ab: bool = False
     # programmatic dependent launch (sm_90+): each kernel of the call may launch while its
-    # predecessor finishes and waits for it before its first memory access
+    # predecessor finishes and waits for it before its first memory access. H100, graph
+    # replay: FP8 Qwen3-30B-A3B T=1 36.2 -> 32.8 us (1.10x), T=8 1.03x, DeepSeek-V3 1.00-1.01x;
+    # MXFP4 gpt-oss-20b T=1 75.8 -> 79.7 us (0.95x), T=8..2048 1.00x: the MXFP4 heuristics
+    # turn it off
     dependent_launch: bool = True
 
 
@@ -110,7 +113,8 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
         # below measure 1.05-1.06x (H100: 611.6 -> 580.5 us, 2268.6 -> 2139.8 us, bit-equal);
         # at 256 rows they are 0.85-0.87x.
         return QuantDispatchConfig(block_m=128, block_n1=64, block_n2=128, block_k=64,
-                                   group_m=8, num_warps=4, num_stages=3, mxfp4_swap_ab=True)
+                                   group_m=8, num_warps=4, num_stages=3, mxfp4_swap_ab=True,
+                                   dependent_launch=False)
     if fmt == "mxfp4":
         # Below 64 rows per expert: transposed too, 64-wide weight tiles, so that every T runs
         # wgmma (64 weight rows as the MMA's M); mma.sync sums the decoded tile in another order
@@ -127,7 +131,7 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
         return QuantDispatchConfig(block_m=block_m, block_n1=32 if stacked else 64, block_n2=64,
                                    block_k=64 if T >= 32 else 128, group_m=8, num_warps=4,
                                    num_stages=3, mxfp4_swap_ab=True,
-                                   mxfp4_stacked_gate_up=stacked)
+                                   mxfp4_stacked_gate_up=stacked, dependent_launch=False)
     if fmt == "fp8":
         # wgmma tiles and 8 warps at every T: Hopper's FP8 wgmma (64-row tiles) and mma.sync
         # (16/32-row tiles) round their float32 sums differently (relative difference 5e-3 on

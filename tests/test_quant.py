@@ -804,7 +804,7 @@ def test_fp8_scalar_weight_scale(interpreter):
 def test_gpu_heuristic_row_blocks():
     """The GPU tiles the heuristic picks (no GPU needed: a pure function of the shape): W8A8
     takes 128-row blocks from 256 rows per expert, 64-row blocks below and transposed 16-row
-    blocks up to 16 rows (all wgmma, the same sums), the weight-only FP8 path 64-row blocks;
+    blocks up to 8 rows (all wgmma, the same sums), the weight-only FP8 path 64-row blocks;
     MXFP4 128-row transposed tiles from 128 rows per expert, gate and up stacked in one tile up
     to 64 slots."""
     from moe_ops.launch.quant import quant_dispatch_config
@@ -812,10 +812,10 @@ def test_gpu_heuristic_row_blocks():
     def cfg(T, E, K, fmt, quant_a=True):
         return quant_dispatch_config(T, E, K, 2048, 768, fmt, 128, "cuda", quant_a=quant_a)
 
-    assert [cfg(T, 128, 8, "fp8").block_m for T in (1, 8, 128, 256, 257, 2048, 4095, 4096,
+    assert [cfg(T, 128, 8, "fp8").block_m for T in (1, 8, 128, 129, 2048, 4095, 4096,
                                                     8192)] == \
-        [16, 16, 16, 16, 64, 64, 64, 128, 128]
-    assert [cfg(T, 128, 8, "fp8").fp8_swap_ab for T in (1, 256, 257)] == [True, True, False]
+        [16, 16, 16, 64, 64, 64, 128, 128]
+    assert [cfg(T, 128, 8, "fp8").fp8_swap_ab for T in (1, 128, 129)] == [True, True, False]
     assert not cfg(8, 128, 8, "fp8", quant_a=False).fp8_swap_ab
     assert cfg(8192, 128, 8, "fp8", quant_a=False).block_m == 64
     big = cfg(8192, 128, 8, "fp8")

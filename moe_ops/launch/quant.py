@@ -147,12 +147,13 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
         # DeepSeek-V3 T=8192 (256 rows) 1.14x, Qwen3-30B-A3B T=8192 (512 rows) 1.06x; at 64
         # and 128 rows (DeepSeek-V3 / Qwen3 T=2048) 1.00x / 0.98x, so not below 256. W8A8 only
         # (the weight-only path's 128-row tiles are not measured).
-        # At <= 16 rows per expert (W8A8), the products transposed (fp8_swap_ab) with 16-row
+        # At <= 8 rows per expert (W8A8), the products transposed (fp8_swap_ab) with 16-row
         # blocks: the rows are the wgmma's N (m64n16k32) instead of a 64-row tile of padding;
         # the same sums (bit-equal to the 64-row tiles at T = 1..2048 on the H200, so the
         # same class). H200, graph replay: Qwen3-30B-A3B T=1/8/128 1.04/1.08/1.08x,
-        # DeepSeek-V3 T=1/8/128 1.01/1.03/1.02x; at 128 rows per expert 0.44-0.48x.
-        if quant_a and rows <= 16:
+        # DeepSeek-V3 T=1/8/128 1.01/1.03/1.02x; at 16 rows per expert (DeepSeek-V3 T=512)
+        # 0.94x (H100), at 128 rows 0.44-0.48x.
+        if quant_a and rows <= 8:
             return QuantDispatchConfig(block_m=16, block_n1=bk, block_n2=128, block_k=block_k,
                                        group_m=8, num_warps=4, num_stages=4, fp8_swap_ab=True)
         return QuantDispatchConfig(block_m=128 if quant_a and rows >= 256 else 64,

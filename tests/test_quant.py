@@ -693,9 +693,9 @@ def test_mxfp4_stacked_gate_up(interpreter, T, interleaved):
 @pytest.mark.parametrize("T", [1, 7])
 def test_prefetched_scales_are_bit_equal(interpreter, T):
     """Scales loaded one K step ahead (QuantDispatchConfig.prefetch_scales) give the in-step
-    loads' output bit for bit: MXFP4 with gpt-oss's variants, plain and transposed products,
-    K steps 32 and 64 (a K tail at H = 96); FP8 W8A8 and W8A16 with the scalar and the per-row
-    weight scale, several K steps; a dropped id each time."""
+    loads' output bit for bit: MXFP4 with gpt-oss's variants, plain, transposed and stacked
+    products, K steps 32 and 64 (a K tail at H = 96); FP8 W8A8 and W8A16 with the scalar and the
+    per-row weight scale, plain and transposed, several K steps; a dropped id each time."""
     import dataclasses
 
     from moe_ops.launch.quant import quant_dispatch_config
@@ -705,12 +705,16 @@ def test_prefetched_scales_are_bit_equal(interpreter, T):
     base = quant_dispatch_config(T, 4, 2, 96, 64, "mxfp4", 32, "cpu")
     cases = [(args, dict(kw, **more), dataclasses.replace(base, block_k=bk, mxfp4_swap_ab=swap))
              for swap, bk in [(False, 32), (True, 32), (True, 64)]]
+    cases.append((args, dict(kw, **more), dataclasses.replace(
+        base, block_k=32, mxfp4_swap_ab=True, mxfp4_stacked_gate_up=True)))
     f_args, f_kw = fp8_inputs(T, 96, 64, 4, 2, (32, 32), routing="negative")
     for quant_a in (True, False):
         f_base = quant_dispatch_config(T, 4, 2, 96, 64, "fp8", 32, "cpu", quant_a=quant_a)
-        for scalar in (True, False):
+        for scalar, swap in ((True, False), (False, False), (True, True)):
             cases.append((f_args, dict(f_kw, quantize_activations=quant_a),
-                          dataclasses.replace(f_base, scalar_weight_scale=scalar)))
+                          dataclasses.replace(f_base, scalar_weight_scale=scalar,
+                                              fp8_swap_ab=swap)))
+    cases.append(cases.pop(-2))   # W8A16 with per-row scales last
     for i, (a, k, cfg) in enumerate(cases):
         outs = []
         for prefetch in (False, True):
@@ -824,3 +828,25 @@ def test_gpu_heuristic_row_blocks():
     assert all(cfg(T, 32, 4, "mxfp4").mxfp4_swap_ab for T in (1, 512, 1024))
     assert [(cfg(T, 32, 4, "mxfp4").mxfp4_stacked_gate_up, cfg(T, 32, 4, "mxfp4").block_n1)
             for T in (1, 16, 17)] == [(True, 32), (True, 32), (False, 64)]
+
+
+def test_config_errors_name_the_field(interpreter):
+    """A QuantDispatchConfig the kernels cannot run is refused before any launch, with the
+    field and what it must be: the FP8 K step is the block shape's bk, the W8A8 gate+up tile
+    one bk group, the MXFP4 K step a multiple of 32."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+
+    f_args, f_kw = fp8_inputs(3, 64, 32, 4, 2, (32, 32))
+    f_base = quant_dispatch_config(3, 4, 2, 64, 32, "fp8", 32, "cpu", quant_a=True)
+    m_args, m_kw, _ = mxfp4_inputs(3, 64, 64, 4, 2)
+    m_base = quant_dispatch_config(3, 4, 2, 64, 64, "mxfp4", 32, "cpu")
+    cases = [
+        (f_args, f_kw, dataclasses.replace(f_base, block_k=64), "block_k must equal"),
+        (f_args, f_kw, dataclasses.replace(f_base, block_n1=16), "block_n1 must equal bk"),
+        (m_args, m_kw, dataclasses.replace(m_base, block_k=48), "multiple of 32"),
+    ]
+    for args, kw, cfg, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            dispatch_quantized(*args, **kw, config=cfg)

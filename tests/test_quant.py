@@ -731,6 +731,41 @@ def test_prefetched_scales_are_bit_equal(interpreter, T):
     assert rel_err(out, quantized_dispatch_reference(*args, **kw, **more)) < 1e-5
 
 
+@pytest.mark.parametrize("T", [1, 7])
+def test_fp8_scales_upfront_are_bit_equal(interpreter, T):
+    """Every K step's FP8 scales loaded before the loop (QuantDispatchConfig.
+    fp8_scales_upfront) give the one-step-ahead loads' output bit for bit: W8A8 (prequantized
+    hidden: its activation scales too) and W8A16, plain and transposed tiles, 3 K steps on
+    gate+up (H = 96, a power-of-two pad of 4) and 2 on down, weight scales with a zero, a
+    negative zero and a NaN block (its outputs NaN in both); a dropped id."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+
+    args, kw = fp8_inputs(T, 96, 64, 4, 2, (32, 32), routing="negative")
+    s13, s2 = kw["w13_scale"].clone(), kw["w2_scale"].clone()
+    s13[0, 0, 1] = 0.0
+    s13[1, 1, 2] = -0.0
+    s2[2, 0, 1] = float("nan")
+    kw = dict(kw, w13_scale=s13, w2_scale=s2)
+    for quant_a in (True, False):
+        base = quant_dispatch_config(T, 4, 2, 96, 64, "fp8", 32, "cpu", quant_a=quant_a)
+        for swap in (False, True):
+            cfg = dataclasses.replace(base, fp8_swap_ab=swap)
+            outs = []
+            for upfront in (False, True):
+                out = _poisoned(args[0])
+                dispatch_quantized(*args, **kw, quantize_activations=quant_a, out=out,
+                                   config=dataclasses.replace(cfg, fp8_scales_upfront=upfront))
+                outs.append(out)
+            assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0)), (quant_a, swap)
+            assert torch.equal(outs[0].isnan(), outs[1].isnan()), (quant_a, swap)
+    ref = quantized_dispatch_reference(*args, **kw, quantize_activations=False)
+    assert torch.equal(outs[1].isnan(), ref.isnan())
+    ok = ~ref.isnan()
+    assert rel_err(outs[1][ok], ref[ok]) < 2e-2
+
+
 # ---------------------------------------------------------------- config paths
 
 def test_fp8_prequantized_hidden_is_the_fused_arithmetic(interpreter, monkeypatch):

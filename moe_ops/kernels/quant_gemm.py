@@ -240,6 +240,39 @@ def step_scales(s_rows, wmask, k0, K, stride_sk, BLOCK_K: tl.constexpr, WFMT: tl
 
 
 @triton.jit
+def step_scales_upfront(s_ptr, n_steps, stride, NKB: tl.constexpr, rows_ptr=None, row_valid=None):
+    """The scales of every K step at once, as int32 bits (pick_step takes step kb's out
+    exactly): a scalar block scale per step ([NKB], s_ptr + kb * stride), or with rows_ptr a
+    per-row scale per step ([rows, NKB], rows_ptr[row] + kb, W8A8's activation group scales;
+    0 for invalid rows). One load round trip before the K loop instead of one per step: at
+    decode a K step is shorter than the memory latency a one-step-ahead load has to cover."""
+    offs_kb = tl.arange(0, NKB)
+    kb_mask = offs_kb < n_steps
+    if rows_ptr is None:
+        v = tl.load(s_ptr + offs_kb * stride, mask=kb_mask, other=0.0)
+    else:
+        v = tl.load(rows_ptr[:, None] + offs_kb[None, :], mask=row_valid[:, None] & kb_mask[None, :],
+                    other=0.0)
+    return v.to(tl.float32).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def pick_step(bits, kb, NKB: tl.constexpr):
+    """Step kb's float32 scale from step_scales_upfront's [NKB] bits: the sum of kb's bits and
+    zeros, in integers (exact for every value: zeros of either sign, inf, NaN)."""
+    offs_kb = tl.arange(0, NKB)
+    return tl.sum(tl.where(offs_kb == kb, bits, 0), axis=0).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pick_step_rows(bits, kb, NKB: tl.constexpr):
+    """pick_step for [rows, NKB] bits: each row's step-kb scale."""
+    offs_kb = tl.arange(0, NKB)
+    return tl.sum(tl.where(offs_kb[None, :] == kb, bits, 0), axis=1).to(tl.float32,
+                                                                        bitcast=True)
+
+
+@triton.jit
 def group_scales(scale_rows, row_valid, k0, K, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):
     """W8A8 activation scales of each row for the K step at k0 (scale_rows: each row's
     [ceil(K / BLOCK_K)] group scales): that step's, or with AHEAD the next step's (clamped to
@@ -407,7 +440,7 @@ def quant_gate_up_kernel(
     BIT_DECODE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
     ACT_F32: tl.constexpr = False, EVEN_K: tl.constexpr = False,
     PREFETCH_SCALES: tl.constexpr = False, STACK_GU: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, SCALES_UPFRONT: tl.constexpr = 0,
 ):
     """STACK_GU (MXFP4 with SWAP_AB): the tile's gate and up rows are one [2 * BLOCK_N,
     BLOCK_K] decoded tile (with gate_up_interleaved, 2 * BLOCK_N consecutive rows of w13) and
@@ -421,7 +454,10 @@ def quant_gate_up_kernel(
     kernel quantizes it in its gather (QUANT_GATHER), so BLOCK_N need not be one bk group.
     USE_PDL (programmatic dependent launch, launched with launch_pdl=True): the program waits
     for its predecessor (gdc_wait) before its first memory access and lets its successor
-    launch (gdc_launch_dependents) once its K loop is done."""
+    launch (gdc_launch_dependents) once its K loop is done. SCALES_UPFRONT (FP8 with
+    SCALAR_SCALE; a power of two >= the K steps, 0: off): every K step's weight scales (and
+    A_PREQUANT's activation scales) loaded before the loop (step_scales_upfront), with
+    PREFETCH_SCALES off."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
@@ -480,6 +516,13 @@ def quant_gate_up_kernel(
     sc_g = 0
     sc_u = 0
     xs = 0
+    if SCALES_UPFRONT > 0:
+        n_steps = tl.cdiv(H, BLOCK_K)
+        sg_all = step_scales_upfront(g_s, n_steps, stride_sk, SCALES_UPFRONT)
+        su_all = step_scales_upfront(u_s, n_steps, stride_sk, SCALES_UPFRONT)
+        if A_PREQUANT:
+            xs_all = step_scales_upfront(xs_ptr, n_steps, 0, SCALES_UPFRONT,
+                                         xs_ptr + tok * stride_xs, row_valid)
     if PREFETCH_SCALES:
         sc_g = step_scales(g_s, g_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
         if not STACK_GU:
@@ -488,7 +531,10 @@ def quant_gate_up_kernel(
             xs = group_scales(xs_ptr + tok * stride_xs, row_valid, 0, H, BLOCK_K, False)
     for k0 in range(0, H, BLOCK_K):
         k_mask = k_in_range(offs_k, H - k0, EVEN_K)
-        if PREFETCH_SCALES:
+        if SCALES_UPFRONT > 0:
+            sc_g_now = pick_step(sg_all, k0 // BLOCK_K, SCALES_UPFRONT)
+            sc_u_now = pick_step(su_all, k0 // BLOCK_K, SCALES_UPFRONT)
+        elif PREFETCH_SCALES:
             sc_g_next = step_scales(g_s, g_mask, k0 + BLOCK_K, H, stride_sk, BLOCK_K, WFMT,
                                     SCALAR_SCALE)
             sc_u_next = sc_u
@@ -505,7 +551,9 @@ def quant_gate_up_kernel(
                                        SCALAR_SCALE)
         if A_PREQUANT:
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-            if PREFETCH_SCALES:
+            if SCALES_UPFRONT > 0:
+                a_scale = pick_step_rows(xs_all, k0 // BLOCK_K, SCALES_UPFRONT)
+            elif PREFETCH_SCALES:
                 a_scale = xs
                 xs = group_scales(xs_ptr + tok * stride_xs, row_valid, k0, H, BLOCK_K, True)
             else:
@@ -569,12 +617,12 @@ def quant_down_kernel(
     SCALAR_SCALE: tl.constexpr = False, BIT_DECODE: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False, QUANT_GATHER: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, PREFETCH_SCALES: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, SCALES_UPFRONT: tl.constexpr = 0,
 ):
     """QUANT_GATHER (W8A8): act is the gate+up kernel's float32 output (ACT_F32), quantized
     here per row and bk columns (BLOCK_K == bk) by the epilogue's arithmetic: the same e4m3
-    values and scales, computed once per N tile instead of once per row. USE_PDL: as
-    quant_gate_up_kernel's."""
+    values and scales, computed once per N tile instead of once per row. USE_PDL and
+    SCALES_UPFRONT: as quant_gate_up_kernel's."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, H, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
@@ -603,13 +651,21 @@ def quant_down_kernel(
     # each K step's scales, one step ahead with PREFETCH_SCALES (step_scales)
     sc = 0
     xs = 0
+    if SCALES_UPFRONT > 0:
+        n_steps = tl.cdiv(I, BLOCK_K)
+        s_all = step_scales_upfront(s_n, n_steps, stride_sk, SCALES_UPFRONT)
+        if QUANT_A and not QUANT_GATHER:
+            xs_all = step_scales_upfront(act_scale_ptr, n_steps, 0, SCALES_UPFRONT,
+                                         act_scale_ptr + rows * stride_as, row_valid)
     if PREFETCH_SCALES:
         sc = step_scales(s_n, n_mask, 0, I, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
         if QUANT_A and not QUANT_GATHER:
             xs = group_scales(act_scale_ptr + rows * stride_as, row_valid, 0, I, BLOCK_K, False)
     for k0 in range(0, I, BLOCK_K):
         k_mask = k_in_range(offs_k, I - k0, EVEN_K)
-        if PREFETCH_SCALES:
+        if SCALES_UPFRONT > 0:
+            sc_now = pick_step(s_all, k0 // BLOCK_K, SCALES_UPFRONT)
+        elif PREFETCH_SCALES:
             sc_next = step_scales(s_n, n_mask, k0 + BLOCK_K, I, stride_sk, BLOCK_K, WFMT,
                                   SCALAR_SCALE)
             sc_now = sc
@@ -619,7 +675,9 @@ def quant_down_kernel(
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, True, False, OP_DTYPE, EMULATE)
         elif QUANT_A:   # act was quantized by the gate+up kernel: e4m3 tile and row scales
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-            if PREFETCH_SCALES:
+            if SCALES_UPFRONT > 0:
+                a_scale = pick_step_rows(xs_all, k0 // BLOCK_K, SCALES_UPFRONT)
+            elif PREFETCH_SCALES:
                 a_scale = xs
                 xs = group_scales(act_scale_ptr + rows * stride_as, row_valid, k0, I, BLOCK_K,
                                   True)

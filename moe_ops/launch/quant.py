@@ -62,6 +62,10 @@ class QuantDispatchConfig:
     # tiles asynchronously but leaves these loads (scalars, gathers, MXFP4's scale rows that
     # are not 4-byte aligned) synchronous in the step that uses them
     prefetch_scales: bool = True
+    # FP8 with one scalar weight scale per K step (scalar_weight_scale applies): every step's
+    # weight scales, and W8A8's activation scales, loaded before the K loop in one round trip
+    # (replaces prefetch_scales there). Not measured on a GPU yet: off
+    fp8_scales_upfront: bool = False
     # W8A8: hidden quantized once per token (quantize_groups_kernel) instead of in every gate+up
     # program's gather (not with weights_on_input, whose rows are scaled per slot first);
     # 1.02-1.48x on the H200 (docs/design.md)
@@ -265,6 +269,9 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     scalar13 = (fmt == "fp8" and cfg.scalar_weight_scale and not gate_up_interleaved
                 and bn % cfg.block_n1 == 0 and I % cfg.block_n1 == 0)
     scalar2 = fmt == "fp8" and cfg.scalar_weight_scale and bn % cfg.block_n2 == 0
+    # FP8 scales loaded before the K loop: the K steps rounded up to a power of two
+    upfront13 = next_pow2(cdiv(H, bk)) if scalar13 and cfg.fp8_scales_upfront else 0
+    upfront2 = next_pow2(cdiv(I, bk)) if scalar2 and cfg.fp8_scales_upfront else 0
     x, xs = hidden, act_scale
     prequant = quant_a and cfg.prequantize_hidden and not weights_on_input
     if prequant:   # e4m3 hidden (float32 values in the interpreter) and its group scales
@@ -289,7 +296,9 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         HAS_BIAS=w13_bias is not None, WEIGHTS_ON_INPUT=bool(weights_on_input),
         BLOCK_N=cfg.block_n1, A_PREQUANT=prequant, SCALAR_SCALE=scalar13, ACT_F32=act_f32,
         EVEN_K=H % cfg.block_k == 0,
-        STACK_GU=bool(common["SWAP_AB"] and cfg.mxfp4_stacked_gate_up), **common,
+        STACK_GU=bool(common["SWAP_AB"] and cfg.mxfp4_stacked_gate_up),
+        **dict(common, SCALES_UPFRONT=upfront13,
+               PREFETCH_SCALES=common["PREFETCH_SCALES"] and not upfront13),
     )
     fk = launch_key(key and (key, "down"), *bufs)
     kernel_for(quant_down_kernel, dev, fk)[(n_blocks * cdiv(H, cfg.block_n2),)](
@@ -301,7 +310,9 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         act_scale, act_scale.stride(0), *rows_args.values(),
         HAS_BIAS=w2_bias is not None, HAS_WEIGHTS=not weights_on_input,
         BLOCK_N=cfg.block_n2, SCALAR_SCALE=scalar2, QUANT_GATHER=act_f32,
-        EVEN_K=I % cfg.block_k == 0, **common,
+        EVEN_K=I % cfg.block_k == 0,
+        **dict(common, SCALES_UPFRONT=upfront2,
+               PREFETCH_SCALES=common["PREFETCH_SCALES"] and not upfront2),
     )
     if inter != out.dtype:
         out32 = torch.empty(T, H, dtype=inter, device=dev)

@@ -123,7 +123,33 @@ def test_kernel_for_uses_fast_launch_only_with_a_key_on_cuda(monkeypatch):
     from moe_ops.launch._common import kernel_for
     k = _Kernel()
     cuda = torch.device("cuda")
-    assert kernel_for(k, cuda) is k
+    assert kernel_for(k, cuda).kernel is k and not isinstance(kernel_for(k, cuda),
+                                                              fast.FastLaunch)
     assert isinstance(kernel_for(k, cuda, "key"), fast.FastLaunch)
     monkeypatch.setenv("MOE_OPS_FAST_LAUNCH", "0")
-    assert kernel_for(k, cuda, "key") is k
+    assert kernel_for(k, cuda, "key").kernel is k
+    assert not isinstance(kernel_for(k, cuda, "key"), fast.FastLaunch)
+
+
+def test_every_cuda_launch_carries_the_compile_options(hooks, monkeypatch):
+    """kernel_for's CUDA launchers compile with COMPILE_OPTIONS (fused multiply-adds on, which
+    Triton 3.10 stops defaulting to): the fast launcher's first (JIT) launch and its verification
+    pick, and the plain launcher (no key, or fast launch off); a call's own keyword wins."""
+    import torch
+
+    from moe_ops.launch import _common
+
+    assert _common.COMPILE_OPTIONS == {"enable_fp_fusion": True}
+    cuda = torch.device("cuda")
+    k = _Kernel()
+    _common.kernel_for(k, cuda, key="k1")[(1,)](1, 2, 3)
+    assert k.jit_launches[-1][2] == {"enable_fp_fusion": True}
+    seen = []
+    k.run = lambda *a, grid, warmup, **kw: seen.append(kw) or k.picks
+    monkeypatch.setenv("MOE_OPS_VERIFY_LAUNCH", "1")
+    _common.kernel_for(k, cuda, key="k1")[(1,)](1, 2, 3, num_warps=4)
+    assert seen == [{"enable_fp_fusion": True, "num_warps": 4}]
+    _common.kernel_for(k, cuda)[(2,)](1, 2, 3, num_warps=8)
+    assert k.jit_launches[-1] == ((2,), (1, 2, 3), {"enable_fp_fusion": True, "num_warps": 8})
+    _common.kernel_for(k, cuda)[(2,)](1, 2, 3, enable_fp_fusion=False)
+    assert k.jit_launches[-1][2] == {"enable_fp_fusion": False}

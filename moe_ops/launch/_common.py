@@ -19,6 +19,27 @@ SMEM_LIMIT = 232448   # bytes of shared memory a program may use on sm_90
 
 _launchers: dict = {}
 
+# Compile options every moe_ops kernel launches with. Fused multiply-adds on: the float32
+# arithmetic of the kernels (the FP8 promotion's multiply-add, the combine's sums, the
+# activations) and the bit-for-bit properties measured on it (batch invariance, equality between
+# paths, docs/design.md) assume them. Triton 3.6-3.9 fuse by default; 3.9 warns that its default
+# turns off in 3.10, so moe_ops asks for it explicitly.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
+
+class _Compiled:
+    """kernel_for's CUDA launcher without a fast-launch key: kernel[grid](...) with
+    COMPILE_OPTIONS (a call's own keyword wins)."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *args, **kwargs: launch(*args, **{**COMPILE_OPTIONS, **kwargs})
+
 
 def kernel_for(kernel, device: torch.device, key=None):
     """The launchable form of a @triton.jit kernel for tensors on `device`: the kernel itself on
@@ -27,8 +48,8 @@ def kernel_for(kernel, device: torch.device, key=None):
     key skip Triton's argument binding (MOE_OPS_FAST_LAUNCH=0 turns that off)."""
     if device.type != "cpu":
         if key is None or not _env.fast_launch():
-            return kernel
-        return FastLaunch(kernel, key)
+            return _Compiled(kernel)
+        return FastLaunch(kernel, key, COMPILE_OPTIONS)
     launcher = _launchers.get(kernel.fn)
     if launcher is None:
         require_interpreter()

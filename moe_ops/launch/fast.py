@@ -57,14 +57,15 @@ _sites: dict = {}
 class FastLaunch:
     """kernel_for(kernel, device, key)[grid](*args, **kwargs) on CUDA."""
 
-    __slots__ = ("site", "key")
+    __slots__ = ("site", "key", "options")
 
-    def __init__(self, kernel, key):
+    def __init__(self, kernel, key, options=None):
         site = _sites.get(kernel)
         if site is None:
             site = _sites[kernel] = _Site(kernel)
         self.site = site
         self.key = key
+        self.options = options or {}   # compile options under the call's keywords
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
@@ -76,14 +77,14 @@ class FastLaunch:
         ck = site.compiled.get(key)
         if ck is None:
             site.jit_launches += 1
-            ck = site.kernel[grid](*args, **kwargs)
+            ck = site.kernel[grid](*args, **{**self.options, **kwargs})
             if ck is not None and not hasattr(ck, "result"):   # (not an async compile future)
                 if len(site.compiled) >= MAX_KEYS:   # e.g. prefill at ever new token counts
                     site.compiled.clear()
                 site.compiled[key] = ck
             return
         if _env.verify_launch():
-            jit = jit_pick(site.kernel, grid, args, kwargs)
+            jit = jit_pick(site.kernel, grid, args, {**self.options, **kwargs})
             if jit is not ck:
                 raise RuntimeError(
                     f"moe_ops fast launch of {site.kernel.fn.__name__}: key {self.key!r} maps to a "

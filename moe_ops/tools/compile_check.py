@@ -106,7 +106,12 @@ def _signature(launch: Launch):
     names = [p.name for p in params]
     constexpr = {p.name for p in params if "constexpr" in str(p.annotation)}
     kwargs = dict(launch.kwargs)
-    options = dict(num_warps=kwargs.pop("num_warps", 4), num_stages=kwargs.pop("num_stages", 3))
+    from moe_ops.launch._common import COMPILE_OPTIONS
+
+    options = dict(COMPILE_OPTIONS, num_warps=kwargs.pop("num_warps", 4),
+                   num_stages=kwargs.pop("num_stages", 3))
+    for name in COMPILE_OPTIONS:
+        options[name] = kwargs.pop(name, options[name])
     kwargs.pop("launch_pdl", None)
     bound = dict(zip(names, launch.args))
     bound.update(kwargs)

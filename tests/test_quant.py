@@ -732,12 +732,14 @@ def test_prefetched_scales_are_bit_equal(interpreter, T):
 
 
 @pytest.mark.parametrize("T", [1, 7])
-def test_fp8_scales_upfront_are_bit_equal(interpreter, T):
-    """Every K step's FP8 scales loaded before the loop (QuantDispatchConfig.
-    fp8_scales_upfront) give the one-step-ahead loads' output bit for bit: W8A8 (prequantized
+def test_scales_upfront_are_bit_equal(interpreter, T):
+    """Every K step's scales loaded before the loop (QuantDispatchConfig.scales_upfront) give
+    the one-step-ahead loads' output bit for bit. FP8: W8A8 (prequantized
     hidden: its activation scales too) and W8A16, plain and transposed tiles, 3 K steps on
     gate+up (H = 96, a power-of-two pad of 4) and 2 on down, weight scales with a zero, a
-    negative zero and a NaN block (its outputs NaN in both); a dropped id."""
+    negative zero and a NaN block (its outputs NaN in both); a dropped id. MXFP4 (gpt-oss's
+    variants): plain, transposed and stacked tiles, K steps of 32, 64 and 128 values (1, 2 and 4
+    scale bytes per row and step; H = 96 has a K tail at 64 and 128)."""
     import dataclasses
 
     from moe_ops.launch.quant import quant_dispatch_config
@@ -756,7 +758,7 @@ def test_fp8_scales_upfront_are_bit_equal(interpreter, T):
             for upfront in (False, True):
                 out = _poisoned(args[0])
                 dispatch_quantized(*args, **kw, quantize_activations=quant_a, out=out,
-                                   config=dataclasses.replace(cfg, fp8_scales_upfront=upfront))
+                                   config=dataclasses.replace(cfg, scales_upfront=upfront))
                 outs.append(out)
             assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0)), (quant_a, swap)
             assert torch.equal(outs[0].isnan(), outs[1].isnan()), (quant_a, swap)
@@ -764,6 +766,23 @@ def test_fp8_scales_upfront_are_bit_equal(interpreter, T):
     assert torch.equal(outs[1].isnan(), ref.isnan())
     ok = ~ref.isnan()
     assert rel_err(outs[1][ok], ref[ok]) < 2e-2
+
+    m_args, m_kw, biases = mxfp4_inputs(T, 96, 64, 4, 2, routing="negative")
+    more = dict(activation="swiglu_oai", gate_up_interleaved=True, **biases)
+    m_base = quant_dispatch_config(T, 4, 2, 96, 64, "mxfp4", 32, "cpu")
+    for bk, swap, stack in ((32, False, False), (64, True, False), (128, True, True),
+                            (64, True, True)):
+        cfg = dataclasses.replace(m_base, block_k=bk, mxfp4_swap_ab=swap,
+                                  mxfp4_stacked_gate_up=stack)
+        outs = []
+        for upfront in (False, True):
+            out = _poisoned(m_args[0])
+            dispatch_quantized(*m_args, **m_kw, **more, out=out,
+                               config=dataclasses.replace(cfg, scales_upfront=upfront))
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), (bk, swap, stack)
+        assert torch.isfinite(outs[1]).all()
+    assert rel_err(outs[1], quantized_dispatch_reference(*m_args, **m_kw, **more)) < 1e-5
 
 
 # ---------------------------------------------------------------- config paths

@@ -273,6 +273,31 @@ def pick_step_rows(bits, kb, NKB: tl.constexpr):
 
 
 @triton.jit
+def mxfp4_scales_upfront(s_rows, wmask, K, stride_sk, BLOCK_K: tl.constexpr, NKB: tl.constexpr):
+    """MXFP4's e8m0 scale bytes of every K step at once: [NKB, BN] int32 words, step kb's
+    BLOCK_K // 32 (<= 4) bytes of each row packed low byte first (0 for masked rows and past
+    K, as mxfp4_scales); mxfp4_pick unpacks one step."""
+    G: tl.constexpr = BLOCK_K // 32
+    offs_s = tl.arange(0, NKB)
+    w = tl.zeros((NKB, s_rows.shape[0]), tl.int32)
+    for j in tl.static_range(G):
+        col = offs_s * G + j
+        b = tl.load(s_rows[None, :] + col[:, None] * stride_sk,
+                    mask=wmask[None, :] & (col < K // 32)[:, None], other=0)
+        w = w | (b.to(tl.int32) << (8 * j))
+    return w
+
+
+@triton.jit
+def mxfp4_pick(words, kb, BLOCK_K: tl.constexpr, NKB: tl.constexpr):
+    """Step kb's scale bytes [BN, BLOCK_K // 32] (uint8, as mxfp4_scales returns them) out of
+    mxfp4_scales_upfront's words."""
+    G: tl.constexpr = BLOCK_K // 32
+    w = tl.sum(tl.where(tl.arange(0, NKB)[:, None] == kb, words, 0), axis=0)
+    return ((w[:, None] >> (8 * tl.arange(0, G))[None, :]) & 255).to(tl.uint8)
+
+
+@triton.jit
 def group_scales(scale_rows, row_valid, k0, K, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):
     """W8A8 activation scales of each row for the K step at k0 (scale_rows: each row's
     [ceil(K / BLOCK_K)] group scales): that step's, or with AHEAD the next step's (clamped to
@@ -455,9 +480,9 @@ def quant_gate_up_kernel(
     USE_PDL (programmatic dependent launch, launched with launch_pdl=True): the program waits
     for its predecessor (gdc_wait) before its first memory access and lets its successor
     launch (gdc_launch_dependents) once its K loop is done. SCALES_UPFRONT (FP8 with
-    SCALAR_SCALE; a power of two >= the K steps, 0: off): every K step's weight scales (and
-    A_PREQUANT's activation scales) loaded before the loop (step_scales_upfront), with
-    PREFETCH_SCALES off."""
+    SCALAR_SCALE, or MXFP4 with BLOCK_K <= 128; a power of two >= the K steps, 0: off): every
+    K step's weight scales (and A_PREQUANT's activation scales) loaded before the loop
+    (step_scales_upfront, mxfp4_scales_upfront), with PREFETCH_SCALES off."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
@@ -516,13 +541,17 @@ def quant_gate_up_kernel(
     sc_g = 0
     sc_u = 0
     xs = 0
-    if SCALES_UPFRONT > 0:
+    if SCALES_UPFRONT > 0 and WFMT == 1:
         n_steps = tl.cdiv(H, BLOCK_K)
         sg_all = step_scales_upfront(g_s, n_steps, stride_sk, SCALES_UPFRONT)
         su_all = step_scales_upfront(u_s, n_steps, stride_sk, SCALES_UPFRONT)
         if A_PREQUANT:
             xs_all = step_scales_upfront(xs_ptr, n_steps, 0, SCALES_UPFRONT,
                                          xs_ptr + tok * stride_xs, row_valid)
+    elif SCALES_UPFRONT > 0:
+        sg_all = mxfp4_scales_upfront(g_s, g_mask, H, stride_sk, BLOCK_K, SCALES_UPFRONT)
+        if not STACK_GU:
+            su_all = mxfp4_scales_upfront(u_s, n_mask, H, stride_sk, BLOCK_K, SCALES_UPFRONT)
     if PREFETCH_SCALES:
         sc_g = step_scales(g_s, g_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
         if not STACK_GU:
@@ -531,9 +560,14 @@ def quant_gate_up_kernel(
             xs = group_scales(xs_ptr + tok * stride_xs, row_valid, 0, H, BLOCK_K, False)
     for k0 in range(0, H, BLOCK_K):
         k_mask = k_in_range(offs_k, H - k0, EVEN_K)
-        if SCALES_UPFRONT > 0:
+        if SCALES_UPFRONT > 0 and WFMT == 1:
             sc_g_now = pick_step(sg_all, k0 // BLOCK_K, SCALES_UPFRONT)
             sc_u_now = pick_step(su_all, k0 // BLOCK_K, SCALES_UPFRONT)
+        elif SCALES_UPFRONT > 0:
+            sc_g_now = mxfp4_pick(sg_all, k0 // BLOCK_K, BLOCK_K, SCALES_UPFRONT)
+            sc_u_now = sc_u
+            if not STACK_GU:
+                sc_u_now = mxfp4_pick(su_all, k0 // BLOCK_K, BLOCK_K, SCALES_UPFRONT)
         elif PREFETCH_SCALES:
             sc_g_next = step_scales(g_s, g_mask, k0 + BLOCK_K, H, stride_sk, BLOCK_K, WFMT,
                                     SCALAR_SCALE)
@@ -651,7 +685,9 @@ def quant_down_kernel(
     # each K step's scales, one step ahead with PREFETCH_SCALES (step_scales)
     sc = 0
     xs = 0
-    if SCALES_UPFRONT > 0:
+    if SCALES_UPFRONT > 0 and WFMT == 2:
+        s_all = mxfp4_scales_upfront(s_n, n_mask, I, stride_sk, BLOCK_K, SCALES_UPFRONT)
+    elif SCALES_UPFRONT > 0:
         n_steps = tl.cdiv(I, BLOCK_K)
         s_all = step_scales_upfront(s_n, n_steps, stride_sk, SCALES_UPFRONT)
         if QUANT_A and not QUANT_GATHER:
@@ -663,7 +699,9 @@ def quant_down_kernel(
             xs = group_scales(act_scale_ptr + rows * stride_as, row_valid, 0, I, BLOCK_K, False)
     for k0 in range(0, I, BLOCK_K):
         k_mask = k_in_range(offs_k, I - k0, EVEN_K)
-        if SCALES_UPFRONT > 0:
+        if SCALES_UPFRONT > 0 and WFMT == 2:
+            sc_now = mxfp4_pick(s_all, k0 // BLOCK_K, BLOCK_K, SCALES_UPFRONT)
+        elif SCALES_UPFRONT > 0:
             sc_now = pick_step(s_all, k0 // BLOCK_K, SCALES_UPFRONT)
         elif PREFETCH_SCALES:
             sc_next = step_scales(s_n, n_mask, k0 + BLOCK_K, I, stride_sk, BLOCK_K, WFMT,

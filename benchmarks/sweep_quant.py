@@ -1,11 +1,12 @@
 """Tile and path variants of the quantized expert GEMMs on the GPU: each variant of
 moe_ops.launch.quant.QuantDispatchConfig (fields overridden on the heuristic config of each cell)
 timed by CUDA-graph replay (median of triton.testing.do_bench, L2 flushed), its output compared
-with the heuristic config's, and the heuristic config's time split per kernel (torch.profiler).
+with the heuristic config's, and the heuristic config's time split per kernel (torch.profiler;
+every variant's with --split-all).
 
     python benchmarks/sweep_quant.py --cells deepseek_v3:1,128,2048 gpt_oss_20b:1,2048 \
         --fp8 "block_m=64,num_warps=8" "num_stages=4" --mxfp4 "mxfp4_dot_scaled=1" \
-        [--csv sweep.csv]
+        [--csv sweep.csv] [--split-all]
 
 A variant is a comma-separated list of field=value (ints; 0/1 for flags); "w8a16" as a field
 (w8a16=1) runs the FP8 weights with quantize_activations=False. The table printed last has one
@@ -70,6 +71,8 @@ def main():
     p.add_argument("--mxfp4", nargs="*", default=[], help="MXFP4 variants")
     p.add_argument("--rep-ms", type=float, default=50)
     p.add_argument("--csv", default=None)
+    p.add_argument("--split-all", action="store_true",
+                   help="per-kernel split (torch.profiler) of every variant, not only the heuristic")
     opts = p.parse_args()
     dev = torch.device("cuda")
     timer = Timer(dev, warmup_ms=10, rep_ms=opts.rep_ms)
@@ -113,11 +116,12 @@ def main():
                         raise RuntimeError("non-finite output")
                     graph, _ = capture_graph(fn)
                     us = timer(graph.replay) * 1e3
-                    if ref is None:
-                        ref, t_ref = out, us
+                    if ref is None or opts.split_all:
                         split = kernel_times_us(graph.replay, name_len=22)
                         print(f"{name} T={T} {label}: " + ", ".join(
                             f"{k} {v:.1f}" for k, v in split.items()), flush=True)
+                    if ref is None:
+                        ref, t_ref = out, us
                     diff = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
                     row = [name, str(T), label, f"{us:.1f}", f"{t_ref / us:.2f}",
                            f"{diff:.1e}", f"{floor_us:.1f}", f"{100 * floor_us / us:.0f}%"]

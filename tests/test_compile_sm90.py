@@ -131,3 +131,32 @@ def test_weight_grad_lpt_compiles(compile_check, monkeypatch):
     for fixed, lpt in zip(got[False], got[True]):
         assert lpt.wgmma == fixed.wgmma > 0 and lpt.tma == fixed.tma > 0, (lpt, fixed)
         assert lpt.shared == fixed.shared, (lpt.shared, fixed.shared)
+
+
+QUANT_CASES = [  # fmt, (H, I, E, K), gpt-oss variant
+    ("fp8", (7168, 2048, 256, 8), False),    # DeepSeek-V3
+    ("fp8", (2048, 768, 128, 8), False),     # Qwen3-30B-A3B
+    ("mxfp4", (2880, 2880, 32, 4), True),    # gpt-oss-20b
+]
+
+
+@pytest.mark.parametrize("T", [1, 512, 8192])
+@pytest.mark.parametrize("fmt,shape,gpt_oss", QUANT_CASES, ids=lambda v: str(v))
+def test_quant_heuristic_configs_compile(compile_check, fmt, shape, gpt_oss, T):
+    """The quantized forward's launches with the heuristic's GPU config, compiled for sm_90
+    (T = 1, 512, 8192: FP8's transposed 16-row, 64-row and 128-row tiles; MXFP4's stacked,
+    64-row and 128-row prefill tiles):
+    both expert GEMMs run wgmma and no mma.sync at every T (the one MMA kind that keeps a
+    token's output independent of the batch, docs/design.md), fit the shared memory of one
+    program, and MXFP4 decodes through the inline-PTX pairs. FP8 launches with programmatic
+    dependent launch, MXFP4 without (the heuristics' choice)."""
+    launches = compile_check.quant_launches(fmt, shape, T, gpt_oss=gpt_oss)
+    got = _compile_all(compile_check, launches)
+    for kname in ("quant_gate_up_kernel", "quant_down_kernel"):
+        (c,) = got[kname]
+        assert c.wgmma > 0 and c.mma == 0, (kname, c.wgmma, c.mma)
+        if fmt == "mxfp4":
+            assert "mul.rn.bf16x2" in c.ptx, kname
+    pdl = {launch.name: launch.kwargs.get("USE_PDL", False) for launch in launches}
+    assert pdl["quant_gate_up_kernel"] == pdl["quant_down_kernel"] == (fmt == "fp8")
+    assert ("quantize_groups_kernel" in got) == (fmt == "fp8")

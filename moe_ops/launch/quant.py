@@ -169,6 +169,13 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
                                num_stages=3)
 
 
+def _interpreted(device: torch.device) -> bool:
+    """Whether this call runs Triton's interpreter (the EMULATE kernels: CPU tensors) rather
+    than compiled kernels (moe_ops.tools.compile_check swaps it to capture the compiled
+    launches of CPU tensors)."""
+    return device.type != "cuda"
+
+
 def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="silu",
                        w13_bias=None, w2_bias=None, alpha=1.702, limit=7.0,
                        gate_up_interleaved=False, weights_on_input=False, w13_scale=None,
@@ -199,9 +206,10 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         out = torch.empty(T, H, dtype=hidden.dtype, device=dev)
     if T == 0:
         return out
-    emulate = dev.type != "cuda"
+    emulate = _interpreted(dev)
     quant_a = fmt == "fp8" and bool(quantize_activations)
-    cfg = config or quant_dispatch_config(T, E, K, H, I, fmt, bk, dev.type, quant_a)
+    cfg = config or quant_dispatch_config(T, E, K, H, I, fmt, bk,
+                                          "cpu" if emulate else "cuda", quant_a)
     if fmt == "fp8" and cfg.block_k != bk:
         raise ValueError(f"config.block_k must equal the FP8 block_shape's bk = {bk}, got "
                          f"{cfg.block_k}")

@@ -28,7 +28,8 @@ import torch
 from moe_ops.launch._common import SMEM_LIMIT as SHARED_LIMIT   # bytes per program on sm_90
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-           torch.int32: "i32", torch.int64: "i64", torch.bool: "i1", torch.uint8: "u8"}
+           torch.int32: "i32", torch.int64: "i64", torch.bool: "i1", torch.uint8: "u8",
+           torch.float8_e4m3fn: "fp8e4nv"}
 
 
 @dataclasses.dataclass
@@ -61,7 +62,7 @@ def capture() -> Iterator[list]:
     programmatic dependent launch, the fence of the folded combine) instead of running them.
     The records keep the launches' arguments alive, so under it autograd's AccumulateGrad
     copies gradients it would otherwise take over: do not time an autograd step inside it."""
-    from moe_ops.launch import alignment, dispatch, dispatch_backward
+    from moe_ops.launch import alignment, dispatch, dispatch_backward, quant
 
     launches: list = []
 
@@ -78,8 +79,9 @@ def capture() -> Iterator[list]:
     def pdl_args(pdl, device):
         return dict(USE_PDL=True, launch_pdl=True) if pdl else {}
 
-    patches = [(m, "kernel_for", kernel_for) for m in (alignment, dispatch, dispatch_backward)]
-    patches += [(alignment, "pdl_args", pdl_args), (dispatch, "pdl_args", pdl_args)]
+    patches = [(m, "kernel_for", kernel_for)
+               for m in (alignment, dispatch, dispatch_backward, quant)]
+    patches += [(m, "pdl_args", pdl_args) for m in (alignment, dispatch, quant)]
     saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
     try:
         for m, name, value in patches:
@@ -189,6 +191,44 @@ def forward_launches(shape, T, cfg, dtype, backward=False, rows_per_expert=None)
             bc = backward_config(cfg, "cuda", dtype, rows_per_expert=rpe, inter_size=full_I)
             dispatch_backward_triton(torch.randn(T, H, dtype=dtype, generator=g), hidden, w13,
                                      w2, w, ids, z=z, config=cfg, bwd_config=bc)
+    return launches
+
+
+def quant_launches(fmt, shape, T, quant_a=True, config=None, gpt_oss=False) -> list[Launch]:
+    """The launches of one quantized moe.dispatch forward (FP8 block-scaled with [128, 128]
+    blocks, or MXFP4) as compiled for sm_90: CPU tensors standing for CUDA ones (the launcher's
+    interpreter switch and the inline-PTX check answer as on an H100), shape (H, I, E, K)
+    scaled down to H, I <= 512 with their remainders modulo 128 kept (what the kernels'
+    K-tail and scale-block constants depend on; gpt-oss's 2880 -> 448). gpt_oss: its biases,
+    activation and interleaved rows. config: the heuristic's for the full shape by default."""
+    from moe_ops import _features
+    from moe_ops.launch import quant
+    from moe_ops.tools.quant_baselines import random_quantized
+
+    H, I, E, K = shape
+    full = (H, I)
+    H, I = (min(n, 384 + n % 128 if n % 128 else 512) for n in (H, I))
+    g = torch.Generator().manual_seed(0)
+    w13, w2, s13, s2 = random_quantized(E, H, I, fmt, "cpu", g)
+    hidden = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, K, generator=g)
+    kw = dict(w13_scale=s13, w2_scale=s2)
+    if fmt == "fp8":
+        kw.update(block_shape=[128, 128], quantize_activations=quant_a)
+    if gpt_oss:
+        kw.update(activation="swiglu_oai", gate_up_interleaved=True,
+                  w13_bias=torch.zeros(E, 2 * I).bfloat16(), w2_bias=torch.zeros(E, H).bfloat16())
+    cfg = config or quant.quant_dispatch_config(T, E, K, *full, fmt, 128 if fmt == "fp8" else 32,
+                                                "cuda", quant_a=fmt == "fp8" and quant_a)
+    saved = quant._interpreted, _features.inline_ptx
+    quant._interpreted = lambda device: False
+    _features.inline_ptx = lambda device: True
+    try:
+        with capture() as launches:
+            quant.dispatch_quantized(hidden, w13, w2, w, ids, **kw, config=cfg)
+    finally:
+        quant._interpreted, _features.inline_ptx = saved
     return launches
 
 

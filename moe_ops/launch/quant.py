@@ -130,8 +130,9 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
         # With at most 64 slots (T * K; few experts hit, a few hundred programs), gate and up
         # rows are decoded as one [64, block_k] tile of 32 gate + 32 up rows (the MMA's M
         # stays 64, the same sums: bit-equal), which gives twice the programs at 80 registers
-        # instead of 171 (ptxas, sm_90, the launch at T=1 and 8). H100, graph replay: gpt-oss-20b T=1 81.7 -> 75.5 us (1.08x), T=8
-        # 253.2 -> 232.0 (1.09x); at 512 slots (T=128) 0.97x.
+        # instead of 171 (ptxas, sm_90, the launch at T=1 and 8). H100, graph replay:
+        # gpt-oss-20b T=1 81.7 -> 75.5 us (1.08x), T=8 253.2 -> 232.0 (1.09x); at 512 slots
+        # (T=128) 0.97x.
         stacked = T * K <= 64
         return QuantDispatchConfig(block_m=block_m, block_n1=32 if stacked else 64, block_n2=64,
                                    block_k=64 if T >= 32 else 128, group_m=8, num_warps=4,

@@ -1,104 +1,98 @@
-"""Do the quantized expert GEMM kernels compile for sm_90 with this Triton? Compiles
-quant_gate_up_kernel and quant_down_kernel for the H200 (no GPU needed: Triton compiles for a
-target) in each weight format and variant, with the GPU configs' tiles, and prints the MMA
-instructions they use (wgmma: Hopper's warp-group MMA; mma.sync: the Ampere path)."""
+"""Do the quantized expert GEMM kernels compile for sm_90 with this Triton, with which MMA, how
+much shared memory and how many registers? No GPU needed: the launches of one quantized
+moe.dispatch forward are captured from CPU tensors as the launcher specialises them for CUDA
+(moe_ops.tools.compile_check.quant_launches: the heuristic's config for the full shape, or a
+variant of it) and compiled for GPUTarget("cuda", 90); registers and spill bytes come from the
+ptxas Triton uses for sm_90.
+
+    PYTHONPATH=. python benchmarks/probe_quant_compile.py
+    PYTHONPATH=. python benchmarks/probe_quant_compile.py --cells gpt_oss_20b:1,2048 \\
+        --mxfp4 "" "scales_upfront=1" "block_k=256" --fp8 "" "w8a16=1"
+
+A variant is a comma-separated list of QuantDispatchConfig field=value (ints; 0/1 for flags;
+"" is the heuristic itself); w8a16=1 runs FP8 weights with quantize_activations=False.
+Exit status 1 if a launch fails to compile."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
 import re
+import subprocess
 import sys
+import tempfile
 
 import triton
-import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-from moe_ops.kernels.quant_gemm import quant_down_kernel, quant_gate_up_kernel
+from moe_ops.launch.quant import quant_dispatch_config
+from moe_ops.tools import compile_check as cc
 
-PTR = {"bf16": "*bf16", "f16": "*fp16", "fp8": "*fp8e4nv", "u8": "*u8", "f32": "*fp32",
-       "i32": "*i32"}
-
-
-# As Triton's launcher specialises them for contiguous weights and 16-aligned sizes (H, I, E*):
-# unit strides become constants, pointers and these ints carry divisibility 16 (without the
-# hints the compiler cannot vectorise the loads nor pipeline them with cp.async).
-UNIT = ("stride_xh", "stride_wk", "stride_sk", "stride_bn")
-# (stride_as = I / bk is not a multiple of 16 in general: no hint)
-DIV16 = ("H", "I", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_am", "stride_ym",
-         "stride_be")
+SHAPES = {  # (H, I, E, K), format, gpt-oss variant (biases, swiglu_oai, interleaved rows)
+    "deepseek_v3": ((7168, 2048, 256, 8), "fp8", False),
+    "qwen3_30b_a3b": ((2048, 768, 128, 8), "fp8", False),
+    "gpt_oss_20b": ((2880, 2880, 32, 4), "mxfp4", True),
+    "gpt_oss_120b": ((2880, 2880, 128, 4), "mxfp4", True),
+}
 
 
-def _sig(kernel, types, consts):
-    names = kernel.arg_names
-    sig, cst, attrs = {}, {}, {}
-    for i, n in enumerate(names):
-        if n in consts or n in UNIT:
-            sig[n] = "constexpr"
-            cst[(i,)] = consts.get(n, 1)
-        else:
-            sig[n] = types.get(n, "i32")
-            if sig[n].startswith("*") or n in DIV16:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, cst, attrs
+def ptxas_report(ptx: str) -> tuple[str, str]:
+    """(registers, spill store bytes) of a kernel's PTX for sm_90a from Triton's own ptxas
+    ('?' where that ptxas cannot be run here)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        path = get_ptxas(90).path
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(ptx)
+            f.flush()
+            log = subprocess.run([path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                                 capture_output=True, text=True, timeout=300).stderr
+    except Exception:  # noqa: BLE001 - the report is optional
+        return "?", "?"
+    regs = re.findall(r"Used (\d+) registers", log)
+    spill = re.findall(r"(\d+) bytes spill stores", log)
+    return (regs[0] if regs else "?"), (spill[0] if spill else "?")
 
 
-def compile_one(kernel, types, consts, num_warps, num_stages):
-    sig, cst, attrs = _sig(kernel, types, consts)
-    k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=num_warps, num_stages=num_stages))
-    ptx = k.asm["ptx"]
-    return (f"{len(re.findall('wgmma.mma_async', ptx))} wgmma, "
-            f"{len(re.findall('mma.sync', ptx))} mma.sync, {ptx.count('cp.async')} cp.async, "
-            f"{k.metadata.shared} B shared")
-
-
-def main():
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cells", nargs="+", default=["deepseek_v3:1,2048,8192",
+                                                   "qwen3_30b_a3b:1,512,8192",
+                                                   "gpt_oss_20b:1,512,8192"])
+    p.add_argument("--fp8", nargs="*", default=[""], help="FP8 variants (field=value,...)")
+    p.add_argument("--mxfp4", nargs="*", default=[""], help="MXFP4 variants")
+    opts = p.parse_args()
     print(f"triton {triton.__version__}, target sm_90")
     failures = 0
-    for fmt, quant_a, act_dtype in (("fp8", True, "bf16"), ("fp8", False, "bf16"),
-                                    ("mxfp4", False, "bf16"), ("mxfp4_dot_scaled", False, "bf16"),
-                                    ("fp8", True, "f32"), ("fp8", False, "f32"),
-                                    ("mxfp4", False, "f32"), ("fp8", True, "f16"),
-                                    ("mxfp4_dot_scaled", False, "f16")):
-        w = "fp8" if fmt == "fp8" else "u8"
-        s = "f32" if fmt == "fp8" else "u8"
-        op = {"bf16": tl.bfloat16, "f16": tl.float16, "f32": tl.float32}[act_dtype]
-        block_k = 128
-        for block_m in (16, 64):
-            common = dict(WFMT={"fp8": 1, "mxfp4": 2}.get(fmt, 3), QUANT_A=quant_a, EMULATE=False,
-                          OP_DTYPE=op, DOT_PRECISION="ieee" if act_dtype == "f32" else "tf32",
-                          BLOCK_M=block_m, BLOCK_K=block_k, GROUP_M=8, DIRECT=block_m == 16)
-            variants = [dict(ACTIVATION=0, INTERLEAVED=False, HAS_BIAS=False,
-                             WEIGHTS_ON_INPUT=False)]
-            if fmt.startswith("mxfp4"):
-                variants.append(dict(ACTIVATION=4, INTERLEAVED=True, HAS_BIAS=True,
-                                     WEIGHTS_ON_INPUT=False))
-            for var in variants:
-                # W8A8: act is e4m3 with float32 scales per bk group, the gate+up tile bk wide
-                act = PTR["fp8"] if quant_a else PTR[act_dtype]
-                types = dict(x_ptr=PTR[act_dtype], w_ptr=PTR[w], s_ptr=PTR[s], bias_ptr=PTR["f32"],
-                             tw_ptr=PTR["f32"], act_ptr=act, sorted_ptr=PTR["i32"],
-                             block_expert_ptr=PTR["i32"], num_rows_ptr=PTR["i32"],
-                             alpha="fp32", limit="fp32", act_scale_ptr=PTR["f32"],
-                             ids_ptr=PTR["i32"])
-                what = f"gate_up {fmt} {'W8A8' if quant_a else 'A16'} {act_dtype} BM={block_m} {var}"
-                nw = 4 if block_m < 64 else 8
+    for cell in opts.cells:
+        name, tokens = cell.split(":")
+        (H, I, E, K), fmt, gpt_oss = SHAPES[name]
+        for T in (int(t) for t in tokens.split(",")):
+            for spec in (opts.fp8 if fmt == "fp8" else opts.mxfp4):
+                fields = dict((k.strip(), int(v)) for k, v in
+                              (item.split("=") for item in filter(None, spec.split(","))))
+                quant_a = not fields.pop("w8a16", 0)
+                base = quant_dispatch_config(T, E, K, H, I, fmt, 128 if fmt == "fp8" else 32,
+                                             "cuda", quant_a=fmt == "fp8" and quant_a)
+                label = f"{name} T={T} {spec or 'heuristic'}"
                 try:
-                    print(f"  {what}: {compile_one(quant_gate_up_kernel, types, {**common, **var, 'BLOCK_N': 128 if quant_a else 64}, nw, 3)}")
+                    cfg = dataclasses.replace(base, **{
+                        k: bool(v) if isinstance(getattr(base, k), bool) else v
+                        for k, v in fields.items()})
+                    launches = cc.quant_launches(fmt, (H, I, E, K), T, quant_a=quant_a,
+                                                 config=cfg, gpt_oss=gpt_oss)
+                    for launch in launches:
+                        if not launch.name.startswith("quant_"):
+                            continue
+                        c = cc.compile_launch(launch)
+                        regs, spill = ptxas_report(c.ptx)
+                        print(f"  {label} {launch.name}: {c.wgmma} wgmma, {c.mma} mma.sync, "
+                              f"{c.cp_async} cp.async, {c.shared} B shared, {regs} registers, "
+                              f"{spill} B spilled")
                 except Exception as exc:  # noqa: BLE001 - the answer is the failure
                     failures += 1
-                    print(f"  {what}: FAILS {type(exc).__name__}: {str(exc)[:2000]}")
-            types = dict(act_ptr=PTR["fp8"] if quant_a else PTR[act_dtype], w_ptr=PTR[w],
-                         s_ptr=PTR[s], bias_ptr=PTR["f32"], tw_ptr=PTR["f32"],
-                         y_ptr=PTR[act_dtype], sorted_ptr=PTR["i32"],
-                         block_expert_ptr=PTR["i32"], num_rows_ptr=PTR["i32"],
-                         act_scale_ptr=PTR["f32"], ids_ptr=PTR["i32"])
-            what = f"down {fmt} {'W8A8' if quant_a else 'A16'} {act_dtype} BM={block_m}"
-            try:
-                print(f"  {what}: {compile_one(quant_down_kernel, types, {**common, 'HAS_BIAS': fmt != 'fp8', 'HAS_WEIGHTS': True, 'BLOCK_N': 128}, 4 if block_m < 64 else 8, 3)}")
-            except Exception as exc:  # noqa: BLE001
-                failures += 1
-                print(f"  {what}: FAILS {type(exc).__name__}: {str(exc)[:2000]}")
-    sys.exit(1 if failures else 0)
+                    print(f"  {label}: FAILS {type(exc).__name__}: {str(exc)[:2000]}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

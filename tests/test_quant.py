@@ -738,8 +738,9 @@ def test_scales_upfront_are_bit_equal(interpreter, T):
     hidden: its activation scales too) and W8A16, plain and transposed tiles, 3 K steps on
     gate+up (H = 96, a power-of-two pad of 4) and 2 on down, weight scales with a zero, a
     negative zero and a NaN block (its outputs NaN in both); a dropped id. MXFP4 (gpt-oss's
-    variants): plain, transposed and stacked tiles, K steps of 32, 64 and 128 values (1, 2 and 4
-    scale bytes per row and step; H = 96 has a K tail at 64 and 128)."""
+    variants): plain, transposed and stacked tiles, K steps of 32, 64, 128 and 256 values (1, 2,
+    4 and 8 scale bytes per row and step, the last in int64 words, at H = 320 and I = 288; H = 96
+    has a K tail at 64 and 128)."""
     import dataclasses
 
     from moe_ops.launch.quant import quant_dispatch_config
@@ -770,19 +771,23 @@ def test_scales_upfront_are_bit_equal(interpreter, T):
     m_args, m_kw, biases = mxfp4_inputs(T, 96, 64, 4, 2, routing="negative")
     more = dict(activation="swiglu_oai", gate_up_interleaved=True, **biases)
     m_base = quant_dispatch_config(T, 4, 2, 96, 64, "mxfp4", 32, "cpu")
+    # K steps of 256 values: 8 scale bytes per row and step, all used at H = 320, I = 288
+    w_args, w_kw, w_biases = mxfp4_inputs(T, 320, 288, 4, 2, routing="negative")
+    w_more = dict(activation="swiglu_oai", gate_up_interleaved=True, **w_biases)
     for bk, swap, stack in ((32, False, False), (64, True, False), (128, True, True),
-                            (64, True, True)):
+                            (64, True, True), (256, True, True)):
+        a, k, extra = (w_args, w_kw, w_more) if bk == 256 else (m_args, m_kw, more)
         cfg = dataclasses.replace(m_base, block_k=bk, mxfp4_swap_ab=swap,
                                   mxfp4_stacked_gate_up=stack)
         outs = []
         for upfront in (False, True):
-            out = _poisoned(m_args[0])
-            dispatch_quantized(*m_args, **m_kw, **more, out=out,
+            out = _poisoned(a[0])
+            dispatch_quantized(*a, **k, **extra, out=out,
                                config=dataclasses.replace(cfg, scales_upfront=upfront))
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), (bk, swap, stack)
         assert torch.isfinite(outs[1]).all()
-    assert rel_err(outs[1], quantized_dispatch_reference(*m_args, **m_kw, **more)) < 1e-5
+    assert rel_err(outs[1], quantized_dispatch_reference(*w_args, **w_kw, **w_more)) < 1e-5
 
 
 # ---------------------------------------------------------------- config paths

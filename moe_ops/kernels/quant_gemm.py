@@ -274,17 +274,21 @@ def pick_step_rows(bits, kb, NKB: tl.constexpr):
 
 @triton.jit
 def mxfp4_scales_upfront(s_rows, wmask, K, stride_sk, BLOCK_K: tl.constexpr, NKB: tl.constexpr):
-    """MXFP4's e8m0 scale bytes of every K step at once: [NKB, BN] int32 words, step kb's
-    BLOCK_K // 32 (<= 4) bytes of each row packed low byte first (0 for masked rows and past
-    K, as mxfp4_scales); mxfp4_pick unpacks one step."""
+    """MXFP4's e8m0 scale bytes of every K step at once: [NKB, BN] words, step kb's
+    BLOCK_K // 32 bytes of each row packed low byte first (int32 words up to 4 bytes, int64 up
+    to 8: BLOCK_K 256; 0 for masked rows and past K, as mxfp4_scales); mxfp4_pick unpacks one
+    step."""
     G: tl.constexpr = BLOCK_K // 32
     offs_s = tl.arange(0, NKB)
-    w = tl.zeros((NKB, s_rows.shape[0]), tl.int32)
+    if G > 4:
+        w = tl.zeros((NKB, s_rows.shape[0]), tl.int64)
+    else:
+        w = tl.zeros((NKB, s_rows.shape[0]), tl.int32)
     for j in tl.static_range(G):
         col = offs_s * G + j
         b = tl.load(s_rows[None, :] + col[:, None] * stride_sk,
                     mask=wmask[None, :] & (col < K // 32)[:, None], other=0)
-        w = w | (b.to(tl.int32) << (8 * j))
+        w = w | (b.to(w.dtype) << (8 * j))
     return w
 
 
@@ -480,7 +484,7 @@ def quant_gate_up_kernel(
     USE_PDL (programmatic dependent launch, launched with launch_pdl=True): the program waits
     for its predecessor (gdc_wait) before its first memory access and lets its successor
     launch (gdc_launch_dependents) once its K loop is done. SCALES_UPFRONT (FP8 with
-    SCALAR_SCALE, or MXFP4 with BLOCK_K <= 128; a power of two >= the K steps, 0: off): every
+    SCALAR_SCALE, or MXFP4 with BLOCK_K <= 256; a power of two >= the K steps, 0: off): every
     K step's weight scales (and A_PREQUANT's activation scales) loaded before the loop
     (step_scales_upfront, mxfp4_scales_upfront), with PREFETCH_SCALES off."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)

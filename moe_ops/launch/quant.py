@@ -63,8 +63,8 @@ class QuantDispatchConfig:
     # are not 4-byte aligned) synchronous in the step that uses them
     prefetch_scales: bool = True
     # every K step's weight scales (FP8 with one scalar weight scale per step, where
-    # scalar_weight_scale applies, and W8A8's activation scales; MXFP4 with block_k <= 128: the
-    # e8m0 bytes of the tile's rows, packed one int32 word per row and step) loaded before the
+    # scalar_weight_scale applies, and W8A8's activation scales; MXFP4 with block_k <= 256: the
+    # e8m0 bytes of the tile's rows, packed one word per row and step) loaded before the
     # K loop in one round trip (replaces prefetch_scales there). Not measured on a GPU yet: off
     scales_upfront: bool = False
     # W8A8: hidden quantized once per token (quantize_groups_kernel) instead of in every gate+up
@@ -281,7 +281,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     scalar2 = fmt == "fp8" and cfg.scalar_weight_scale and bn % cfg.block_n2 == 0
     # scales loaded before the K loop (scales_upfront): the K steps rounded up to a power of two
     upfront13 = upfront2 = 0
-    if cfg.scales_upfront and (fmt == "fp8" or (wfmt == 2 and cfg.block_k <= 128)):
+    if cfg.scales_upfront and (fmt == "fp8" or (wfmt == 2 and cfg.block_k <= 256)):
         upfront13 = next_pow2(cdiv(H, cfg.block_k)) if fmt == "mxfp4" or scalar13 else 0
         upfront2 = next_pow2(cdiv(I, cfg.block_k)) if fmt == "mxfp4" or scalar2 else 0
     x, xs = hidden, act_scale

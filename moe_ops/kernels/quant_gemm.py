@@ -378,6 +378,25 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
 
 
 @triton.jit
+def per_row(v, SWAP_AB: tl.constexpr):
+    """A per-row vector (one value per row of the rows' tile) broadcast over mma_step's
+    product: down its rows, or along its columns when the product is transposed."""
+    if SWAP_AB:
+        return v[None, :]
+    else:
+        return v[:, None]
+
+
+@triton.jit
+def per_col(v, SWAP_AB: tl.constexpr):
+    """A per-column vector (one value per weight row) broadcast over mma_step's product."""
+    if SWAP_AB:
+        return v[:, None]
+    else:
+        return v[None, :]
+
+
+@triton.jit
 def mma_step(acc, a, a_scale, b, b_scale, WFMT: tl.constexpr, QUANT_A: tl.constexpr,
              DOT_PRECISION: tl.constexpr, SCALAR_SCALE: tl.constexpr = False,
              SWAP_AB: tl.constexpr = False):
@@ -385,33 +404,26 @@ def mma_step(acc, a, a_scale, b, b_scale, WFMT: tl.constexpr, QUANT_A: tl.conste
     FP8 weight scale is one scalar for the tile, so the promotion is one multiply-add per
     element; SWAP_AB: acc is the transposed [BLOCK_N, BLOCK_M] accumulator and the weight tile
     b [BLOCK_N, BLOCK_K] the left operand (MXFP4: decoded in registers, where the MMA can read
-    it; FP8: the rows become the MMA's N, 16 columns at decode instead of 64 padded rows)). (One return: code after a return under a compile-time
-    `if` is still compiled.)"""
-    if WFMT == 1 and SWAP_AB:
-        # the transposed product [BLOCK_N, BLOCK_M] (the rows are the MMA's N, so a decode
-        # tile of 1..16 rows multiplies 16 columns instead of 64 rows); each element is
-        # promoted by the same float32 operations in the same order as below
-        part = tl.dot(b, tl.trans(a), input_precision=DOT_PRECISION, out_dtype=tl.float32)
+    it; FP8: the rows become the MMA's N, 16 columns at decode instead of 64 padded rows);
+    per_row / per_col broadcast the scales either way). (One return: code after a return under
+    a compile-time `if` is still compiled.)"""
+    if WFMT == 1:
+        if SWAP_AB:
+            # the transposed product [BLOCK_N, BLOCK_M] (the rows are the MMA's N, so a decode
+            # tile of 1..16 rows multiplies 16 columns instead of 64 rows); each element is
+            # promoted by the same float32 operations in the same order either way
+            part = tl.dot(b, tl.trans(a), input_precision=DOT_PRECISION, out_dtype=tl.float32)
+        else:
+            part = tl.dot(a, b, input_precision=DOT_PRECISION, out_dtype=tl.float32)
         if SCALAR_SCALE:
             if QUANT_A:
-                acc = acc + part * (a_scale * b_scale)[None, :]
+                acc = acc + part * per_row(a_scale * b_scale, SWAP_AB)
             else:
                 acc = acc + part * b_scale
         elif QUANT_A:
-            acc = acc + part * a_scale[None, :] * b_scale[:, None]
+            acc = acc + part * per_row(a_scale, SWAP_AB) * per_col(b_scale, SWAP_AB)
         else:
-            acc = acc + part * b_scale[:, None]
-    elif WFMT == 1:
-        part = tl.dot(a, b, input_precision=DOT_PRECISION, out_dtype=tl.float32)
-        if SCALAR_SCALE:
-            if QUANT_A:
-                acc = acc + part * (a_scale * b_scale)[:, None]
-            else:
-                acc = acc + part * b_scale
-        elif QUANT_A:
-            acc = acc + part * a_scale[:, None] * b_scale[None, :]
-        else:
-            acc = acc + part * b_scale[None, :]
+            acc = acc + part * per_col(b_scale, SWAP_AB)
     elif WFMT == 2:
         if SWAP_AB:
             acc = tl.dot(b, tl.trans(a), acc, input_precision=DOT_PRECISION,

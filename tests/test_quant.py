@@ -621,24 +621,29 @@ def test_mxfp4_dot_scaled_path(interpreter):
     assert rel_err(out, plain.double()) < 3e-3
 
 
+def _variant_agrees(args, kw, base, ref_tol, plain_tol, **fields):
+    """dispatch_quantized with `base` changed by `fields` (into a NaN-poisoned output) against
+    the reference (relative error < ref_tol) and against `base` itself (< plain_tol)."""
+    import dataclasses
+
+    out = dispatch_quantized(*args, **kw, out=_poisoned(args[0]),
+                             config=dataclasses.replace(base, **fields))
+    assert rel_err(out, quantized_dispatch_reference(*args, **kw)) < ref_tol, fields
+    plain = dispatch_quantized(*args, **kw, config=base)
+    assert rel_err(out, plain.double()) < plain_tol, fields
+
+
 @pytest.mark.parametrize("T", [1, 7])
 def test_mxfp4_swap_ab_path(interpreter, T):
     """The transposed MXFP4 products (QuantDispatchConfig.mxfp4_swap_ab: decoded weights as the
     left operand, accumulators [BLOCK_N, BLOCK_M]) match the reference, with gpt-oss's
     variants, a K tail (H = 96) and a dropped id, and agree with the plain form."""
-    import dataclasses
-
     from moe_ops.launch.quant import quant_dispatch_config
 
     args, kw, biases = mxfp4_inputs(T, 96, 64, 4, 2, routing="negative")
     more = dict(activation="swiglu_oai", gate_up_interleaved=True, **biases)
     base = quant_dispatch_config(T, 4, 2, 96, 64, "mxfp4", 32, "cpu")
-    out = dispatch_quantized(*args, **kw, **more, out=_poisoned(args[0]),
-                             config=dataclasses.replace(base, mxfp4_swap_ab=True))
-    ref = quantized_dispatch_reference(*args, **kw, **more)
-    assert rel_err(out, ref) < 1e-5
-    plain = dispatch_quantized(*args, **kw, **more, config=base)
-    assert rel_err(out, plain.double()) < 1e-5
+    _variant_agrees(args, dict(kw, **more), base, 1e-5, 1e-5, mxfp4_swap_ab=True)
 
 
 @pytest.mark.parametrize("T", [1, 7])
@@ -654,15 +659,10 @@ def test_fp8_swap_ab_path(interpreter, T):
     args, kw = fp8_inputs(T, 96, 64, 4, 2, (32, 32), routing="negative")
     for quant_a in (True, False):
         base = quant_dispatch_config(T, 4, 2, 96, 64, "fp8", 32, "cpu", quant_a=quant_a)
-        ref = quantized_dispatch_reference(*args, **kw, quantize_activations=quant_a)
         for scalar in (True, False):
-            cfg = dataclasses.replace(base, scalar_weight_scale=scalar)
-            out = dispatch_quantized(*args, **kw, quantize_activations=quant_a,
-                                     out=_poisoned(args[0]),
-                                     config=dataclasses.replace(cfg, fp8_swap_ab=True))
-            assert rel_err(out, ref) < 1e-5, (quant_a, scalar)
-            plain = dispatch_quantized(*args, **kw, quantize_activations=quant_a, config=cfg)
-            assert rel_err(out, plain.double()) < 1e-6, (quant_a, scalar)
+            _variant_agrees(args, dict(kw, quantize_activations=quant_a),
+                            dataclasses.replace(base, scalar_weight_scale=scalar), 1e-5, 1e-6,
+                            fp8_swap_ab=True)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
@@ -682,12 +682,7 @@ def test_mxfp4_stacked_gate_up(interpreter, T, interleaved):
             else dict(activation="silu"))
     base = dataclasses.replace(quant_dispatch_config(T, 4, 2, 96, 64, "mxfp4", 32, "cpu"),
                                mxfp4_swap_ab=True)
-    out = dispatch_quantized(*args, **kw, **more, out=_poisoned(args[0]),
-                             config=dataclasses.replace(base, mxfp4_stacked_gate_up=True))
-    ref = quantized_dispatch_reference(*args, **kw, **more)
-    assert rel_err(out, ref) < 1e-5
-    plain = dispatch_quantized(*args, **kw, **more, config=base)
-    assert rel_err(out, plain.double()) < 1e-6
+    _variant_agrees(args, dict(kw, **more), base, 1e-5, 1e-6, mxfp4_stacked_gate_up=True)
 
 
 @pytest.mark.parametrize("T", [1, 7])

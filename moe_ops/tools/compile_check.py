@@ -57,9 +57,10 @@ class Compiled:
 
 
 @contextlib.contextmanager
-def capture() -> Iterator[list]:
+def capture(extra_patches=()) -> Iterator[list]:
     """Inside the block, the launchers record their kernel launches (moe_ops' Hopper paths on:
     programmatic dependent launch, the fence of the folded combine) instead of running them.
+    extra_patches: more (module, attribute, value) set for the block and restored after it.
     The records keep the launches' arguments alive, so under it autograd's AccumulateGrad
     copies gradients it would otherwise take over: do not time an autograd step inside it."""
     from moe_ops.launch import alignment, dispatch, dispatch_backward, quant
@@ -82,6 +83,7 @@ def capture() -> Iterator[list]:
     patches = [(m, "kernel_for", kernel_for)
                for m in (alignment, dispatch, dispatch_backward, quant)]
     patches += [(m, "pdl_args", pdl_args) for m in (alignment, dispatch, quant)]
+    patches += list(extra_patches)
     saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
     try:
         for m, name, value in patches:
@@ -221,14 +223,10 @@ def quant_launches(fmt, shape, T, quant_a=True, config=None, gpt_oss=False) -> l
                   w13_bias=torch.zeros(E, 2 * I).bfloat16(), w2_bias=torch.zeros(E, H).bfloat16())
     cfg = config or quant.quant_dispatch_config(T, E, K, *full, fmt, 128 if fmt == "fp8" else 32,
                                                 "cuda", quant_a=fmt == "fp8" and quant_a)
-    saved = quant._interpreted, _features.inline_ptx
-    quant._interpreted = lambda device: False
-    _features.inline_ptx = lambda device: True
-    try:
-        with capture() as launches:
-            quant.dispatch_quantized(hidden, w13, w2, w, ids, **kw, config=cfg)
-    finally:
-        quant._interpreted, _features.inline_ptx = saved
+    as_on_h100 = [(quant, "_interpreted", lambda device: False),
+                  (_features, "inline_ptx", lambda device: True)]
+    with capture(as_on_h100) as launches:
+        quant.dispatch_quantized(hidden, w13, w2, w, ids, **kw, config=cfg)
     return launches
 
 

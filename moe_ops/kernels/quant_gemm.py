@@ -302,6 +302,39 @@ def mxfp4_pick(words, kb, BLOCK_K: tl.constexpr, NKB: tl.constexpr):
 
 
 @triton.jit
+def weight_scales_upfront(s_rows, wmask, K, stride_sk, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
+                          NKB: tl.constexpr):
+    """Every K step's weight scales of one weight path before the K loop: FP8's scalar block
+    scales (step_scales_upfront), MXFP4's scale bytes (mxfp4_scales_upfront)."""
+    if WFMT == 1:
+        v = step_scales_upfront(s_rows, tl.cdiv(K, BLOCK_K), stride_sk, NKB)
+    else:
+        v = mxfp4_scales_upfront(s_rows, wmask, K, stride_sk, BLOCK_K, NKB)
+    return v
+
+
+@triton.jit
+def scales_at_step(s_rows, wmask, s_all, s_prev, k0, K, stride_sk, BLOCK_K: tl.constexpr,
+                   WFMT: tl.constexpr, SCALAR_SCALE: tl.constexpr, SCALES_UPFRONT: tl.constexpr,
+                   PREFETCH_SCALES: tl.constexpr):
+    """(the K step at k0's weight scales, the value to carry to the next step) of one weight
+    path: picked from weight_scales_upfront's s_all with SCALES_UPFRONT; with PREFETCH_SCALES
+    s_prev (loaded a step earlier) and the next step's loaded now; else loaded now."""
+    nxt = s_prev
+    if SCALES_UPFRONT > 0:
+        if WFMT == 1:
+            now = pick_step(s_all, k0 // BLOCK_K, SCALES_UPFRONT)
+        else:
+            now = mxfp4_pick(s_all, k0 // BLOCK_K, BLOCK_K, SCALES_UPFRONT)
+    elif PREFETCH_SCALES:
+        now = s_prev
+        nxt = step_scales(s_rows, wmask, k0 + BLOCK_K, K, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
+    else:
+        now = step_scales(s_rows, wmask, k0, K, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
+    return now, nxt
+
+
+@triton.jit
 def group_scales(scale_rows, row_valid, k0, K, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):
     """W8A8 activation scales of each row for the K step at k0 (scale_rows: each row's
     [ceil(K / BLOCK_K)] group scales): that step's, or with AHEAD the next step's (clamped to
@@ -557,17 +590,16 @@ def quant_gate_up_kernel(
     sc_g = 0
     sc_u = 0
     xs = 0
-    if SCALES_UPFRONT > 0 and WFMT == 1:
-        n_steps = tl.cdiv(H, BLOCK_K)
-        sg_all = step_scales_upfront(g_s, n_steps, stride_sk, SCALES_UPFRONT)
-        su_all = step_scales_upfront(u_s, n_steps, stride_sk, SCALES_UPFRONT)
-        if A_PREQUANT:
-            xs_all = step_scales_upfront(xs_ptr, n_steps, 0, SCALES_UPFRONT,
-                                         xs_ptr + tok * stride_xs, row_valid)
-    elif SCALES_UPFRONT > 0:
-        sg_all = mxfp4_scales_upfront(g_s, g_mask, H, stride_sk, BLOCK_K, SCALES_UPFRONT)
+    sg_all = 0
+    su_all = 0
+    if SCALES_UPFRONT > 0:
+        sg_all = weight_scales_upfront(g_s, g_mask, H, stride_sk, BLOCK_K, WFMT, SCALES_UPFRONT)
         if not STACK_GU:
-            su_all = mxfp4_scales_upfront(u_s, n_mask, H, stride_sk, BLOCK_K, SCALES_UPFRONT)
+            su_all = weight_scales_upfront(u_s, n_mask, H, stride_sk, BLOCK_K, WFMT,
+                                           SCALES_UPFRONT)
+        if A_PREQUANT:
+            xs_all = step_scales_upfront(xs_ptr, tl.cdiv(H, BLOCK_K), 0, SCALES_UPFRONT,
+                                         xs_ptr + tok * stride_xs, row_valid)
     if PREFETCH_SCALES:
         sc_g = step_scales(g_s, g_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
         if not STACK_GU:
@@ -576,29 +608,13 @@ def quant_gate_up_kernel(
             xs = group_scales(xs_ptr + tok * stride_xs, row_valid, 0, H, BLOCK_K, False)
     for k0 in range(0, H, BLOCK_K):
         k_mask = k_in_range(offs_k, H - k0, EVEN_K)
-        if SCALES_UPFRONT > 0 and WFMT == 1:
-            sc_g_now = pick_step(sg_all, k0 // BLOCK_K, SCALES_UPFRONT)
-            sc_u_now = pick_step(su_all, k0 // BLOCK_K, SCALES_UPFRONT)
-        elif SCALES_UPFRONT > 0:
-            sc_g_now = mxfp4_pick(sg_all, k0 // BLOCK_K, BLOCK_K, SCALES_UPFRONT)
-            sc_u_now = sc_u
-            if not STACK_GU:
-                sc_u_now = mxfp4_pick(su_all, k0 // BLOCK_K, BLOCK_K, SCALES_UPFRONT)
-        elif PREFETCH_SCALES:
-            sc_g_next = step_scales(g_s, g_mask, k0 + BLOCK_K, H, stride_sk, BLOCK_K, WFMT,
-                                    SCALAR_SCALE)
-            sc_u_next = sc_u
-            if not STACK_GU:
-                sc_u_next = step_scales(u_s, n_mask, k0 + BLOCK_K, H, stride_sk, BLOCK_K, WFMT,
-                                        SCALAR_SCALE)
-            sc_g_now = sc_g
-            sc_u_now = sc_u
-        else:
-            sc_g_now = step_scales(g_s, g_mask, k0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
-            sc_u_now = sc_u
-            if not STACK_GU:
-                sc_u_now = step_scales(u_s, n_mask, k0, H, stride_sk, BLOCK_K, WFMT,
-                                       SCALAR_SCALE)
+        sc_g_now, sc_g = scales_at_step(g_s, g_mask, sg_all, sc_g, k0, H, stride_sk, BLOCK_K,
+                                        WFMT, SCALAR_SCALE, SCALES_UPFRONT, PREFETCH_SCALES)
+        sc_u_now = sc_u
+        if not STACK_GU:
+            sc_u_now, sc_u = scales_at_step(u_s, n_mask, su_all, sc_u, k0, H, stride_sk,
+                                            BLOCK_K, WFMT, SCALAR_SCALE, SCALES_UPFRONT,
+                                            PREFETCH_SCALES)
         if A_PREQUANT:
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
             if SCALES_UPFRONT > 0:
@@ -623,9 +639,6 @@ def quant_gate_up_kernel(
             acc_u = mma_step(acc_u, a, a_scale, bu, su, WFMT, QUANT_A, DOT_PRECISION,
                              SCALAR_SCALE, SWAP_AB)
         a_ptrs += BLOCK_K * stride_xh
-        if PREFETCH_SCALES:
-            sc_g = sc_g_next
-            sc_u = sc_u_next
     if USE_PDL:
         gdc_launch_dependents()
     if STACK_GU:
@@ -701,13 +714,11 @@ def quant_down_kernel(
     # each K step's scales, one step ahead with PREFETCH_SCALES (step_scales)
     sc = 0
     xs = 0
-    if SCALES_UPFRONT > 0 and WFMT == 2:
-        s_all = mxfp4_scales_upfront(s_n, n_mask, I, stride_sk, BLOCK_K, SCALES_UPFRONT)
-    elif SCALES_UPFRONT > 0:
-        n_steps = tl.cdiv(I, BLOCK_K)
-        s_all = step_scales_upfront(s_n, n_steps, stride_sk, SCALES_UPFRONT)
+    s_all = 0
+    if SCALES_UPFRONT > 0:
+        s_all = weight_scales_upfront(s_n, n_mask, I, stride_sk, BLOCK_K, WFMT, SCALES_UPFRONT)
         if QUANT_A and not QUANT_GATHER:
-            xs_all = step_scales_upfront(act_scale_ptr, n_steps, 0, SCALES_UPFRONT,
+            xs_all = step_scales_upfront(act_scale_ptr, tl.cdiv(I, BLOCK_K), 0, SCALES_UPFRONT,
                                          act_scale_ptr + rows * stride_as, row_valid)
     if PREFETCH_SCALES:
         sc = step_scales(s_n, n_mask, 0, I, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
@@ -715,16 +726,8 @@ def quant_down_kernel(
             xs = group_scales(act_scale_ptr + rows * stride_as, row_valid, 0, I, BLOCK_K, False)
     for k0 in range(0, I, BLOCK_K):
         k_mask = k_in_range(offs_k, I - k0, EVEN_K)
-        if SCALES_UPFRONT > 0 and WFMT == 2:
-            sc_now = mxfp4_pick(s_all, k0 // BLOCK_K, BLOCK_K, SCALES_UPFRONT)
-        elif SCALES_UPFRONT > 0:
-            sc_now = pick_step(s_all, k0 // BLOCK_K, SCALES_UPFRONT)
-        elif PREFETCH_SCALES:
-            sc_next = step_scales(s_n, n_mask, k0 + BLOCK_K, I, stride_sk, BLOCK_K, WFMT,
-                                  SCALAR_SCALE)
-            sc_now = sc
-        else:
-            sc_now = step_scales(s_n, n_mask, k0, I, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
+        sc_now, sc = scales_at_step(s_n, n_mask, s_all, sc, k0, I, stride_sk, BLOCK_K, WFMT,
+                                    SCALAR_SCALE, SCALES_UPFRONT, PREFETCH_SCALES)
         if QUANT_GATHER:   # float32 act, quantized here
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, True, False, OP_DTYPE, EMULATE)
         elif QUANT_A:   # act was quantized by the gate+up kernel: e4m3 tile and row scales
@@ -746,8 +749,6 @@ def quant_down_kernel(
         acc = mma_step(acc, a, a_scale, b, sb, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
                        SWAP_AB)
         a_ptrs += BLOCK_K
-        if PREFETCH_SCALES:
-            sc = sc_next
     if USE_PDL:
         gdc_launch_dependents()
     if SWAP_AB:

@@ -24,6 +24,15 @@ def _poison_allocator(nbytes=1 << 30):
     torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
 
 
+def misaligned_copy(t):
+    """A copy of `t` as a view one element past its buffer's start (off 16-byte alignment for
+    2- and 4-byte dtypes): the launch path must specialise it apart from aligned arguments."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
 def _inputs(name, T, dtype, routing="uniform", seed=0, num_experts=None):
     H, I, E, K = SHAPES[name]
     E = num_experts or E

@@ -1,18 +1,13 @@
 """moe_ops.launch.fast on the GPU: the verify mode and repeated or misaligned calls."""
-import os  # noqa: F401
-
 import pytest
 import torch
-import triton  # noqa: F401
-import triton.language as tl  # noqa: F401
+import triton
+import triton.language as tl
+from conftest import rel_err
+from gpu_utils import GPU_RTOL, _oracle, misaligned_copy
 
-from conftest import assert_same_selection, nan_summary, rel_err  # noqa: F401
-from gpu_utils import (BWD_RTOL, GPU_RTOL, SHAPES, _inputs, _oracle,  # noqa: F401
-                       _poison_allocator, start_gpu_noise)
-from moe_ops.launch.dispatch import dispatch_triton  # noqa: F401
-from moe_ops.ops.samples import make_dispatch_inputs  # noqa: F401
-from moe_ops.reference import dispatch_reference, route_reference  # noqa: F401
-from moe_ops.reference.routing import selection_scores  # noqa: F401
+from moe_ops.launch.dispatch import dispatch_triton
+from moe_ops.ops.samples import make_dispatch_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -54,12 +49,7 @@ def test_fast_launch_repeated_and_misaligned_calls(T, monkeypatch):
     outs = [dispatch_triton(*args) for _ in range(3)]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert rel_err(outs[0], ref) <= GPU_RTOL[torch.bfloat16]
-    hbuf = torch.empty(T * H + 1, dtype=torch.bfloat16, device="cuda")
-    hidden = hbuf[1:].view(T, H)
-    hidden.copy_(args[0])
-    wbuf = torch.empty(T * K + 1, dtype=torch.float32, device="cuda")
-    tw = wbuf[1:].view(T, K)
-    tw.copy_(args[3])
+    hidden, tw = misaligned_copy(args[0]), misaligned_copy(args[3])
     for _ in range(2):
         out = dispatch_triton(hidden, args[1], args[2], tw, args[4])
         assert rel_err(out, ref) <= GPU_RTOL[torch.bfloat16]

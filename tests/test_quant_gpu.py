@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import rel_err
+from gpu_utils import misaligned_copy
 
 import moe_ops
 from moe_ops.launch.quant import dispatch_quantized
@@ -452,11 +453,6 @@ def test_fast_launch_repeated_and_misaligned_calls(fmt, T, monkeypatch):
     assert rel_err(outs[0], ref) <= (6e-2 if fmt == "fp8" else 1e-2)
     after = [fast._sites[k].fast_launches for k in (quant_gate_up_kernel, quant_down_kernel)]
     assert all(a >= c + 2 for a, c in zip(after, counts)), (counts, after)
-    hbuf = torch.empty(T * H + 1, dtype=torch.bfloat16, device=DEV)
-    h1 = hbuf[1:].view(T, H)
-    h1.copy_(hidden)
-    wbuf = torch.empty(T * K + 1, dtype=torch.float32, device=DEV)
-    tw1 = wbuf[1:].view(T, K)
-    tw1.copy_(tw)
+    h1, tw1 = misaligned_copy(hidden), misaligned_copy(tw)
     for _ in range(2):
         assert torch.equal(torch.ops.moe.dispatch(h1, q13, q2, tw1, ids, **kw), outs[0])

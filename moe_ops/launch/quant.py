@@ -133,9 +133,13 @@ def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: 
         # instead of 171 (ptxas, sm_90, the launch at T=1 and 8). H100, graph replay:
         # gpt-oss-20b T=1 81.7 -> 75.5 us (1.08x), T=8 253.2 -> 232.0 (1.09x); at 512 slots
         # (T=128) 0.97x.
+        # At <= 4 slots (gpt-oss T=1), 256-value K steps: half the K steps, the same MMA chain
+        # (bit-equal). H200, graph replay: gpt-oss-20b and -120b T=1 74.6 -> 68.7 us (1.09x);
+        # at 8 slots (T=2) 0.92-0.93x, so not beyond 4.
         stacked = T * K <= 64
+        block_k = 256 if T * K <= 4 else 64 if T >= 32 else 128
         return QuantDispatchConfig(block_m=block_m, block_n1=32 if stacked else 64, block_n2=64,
-                                   block_k=64 if T >= 32 else 128, group_m=8, num_warps=4,
+                                   block_k=block_k, group_m=8, num_warps=4,
                                    num_stages=3, mxfp4_swap_ab=True,
                                    mxfp4_stacked_gate_up=stacked, dependent_launch=False)
     if fmt == "fp8":

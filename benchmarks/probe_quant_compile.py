@@ -7,7 +7,7 @@ ptxas Triton uses for sm_90.
 
     PYTHONPATH=. python benchmarks/probe_quant_compile.py
     PYTHONPATH=. python benchmarks/probe_quant_compile.py --cells gpt_oss_20b:1,2048 \\
-        --mxfp4 "" "scales_upfront=1" "block_k=256" --fp8 "" "w8a16=1"
+        --mxfp4 "" "block_k=256" --fp8 "" "w8a16=1"
 
 A variant is a comma-separated list of QuantDispatchConfig field=value (ints; 0/1 for flags;
 "" is the heuristic itself); w8a16=1 runs FP8 weights with quantize_activations=False.

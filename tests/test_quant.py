@@ -727,15 +727,16 @@ def test_prefetched_scales_are_bit_equal(interpreter, T):
 
 
 @pytest.mark.parametrize("T", [1, 7])
-def test_scales_upfront_are_bit_equal(interpreter, T):
-    """Every K step's scales loaded before the loop (QuantDispatchConfig.scales_upfront) give
-    the one-step-ahead loads' output bit for bit. FP8: W8A8 (prequantized
+def test_prefetched_special_scales_and_wide_k_steps(interpreter, T):
+    """Scales loaded one K step ahead and in the step give the same output bit for bit where
+    scales are zero, negative zero or NaN, and at MXFP4 K steps up to 256 values. FP8: W8A8 (prequantized
     hidden: its activation scales too) and W8A16, plain and transposed tiles, 3 K steps on
     gate+up (H = 96, a power-of-two pad of 4) and 2 on down, weight scales with a zero, a
     negative zero and a NaN block (its outputs NaN in both); a dropped id. MXFP4 (gpt-oss's
     variants): plain, transposed and stacked tiles, K steps of 32, 64, 128 and 256 values (1, 2,
-    4 and 8 scale bytes per row and step, the last in int64 words, at H = 320 and I = 288; H = 96
-    has a K tail at 64 and 128)."""
+    4 and 8 scale bytes per row and step, at H = 320 and I = 288; H = 96
+    has a K tail at 64 and 128); the 256-value steps (the heuristic's at <= 4 slots) match the
+    reference."""
     import dataclasses
 
     from moe_ops.launch.quant import quant_dispatch_config
@@ -751,10 +752,10 @@ def test_scales_upfront_are_bit_equal(interpreter, T):
         for swap in (False, True):
             cfg = dataclasses.replace(base, fp8_swap_ab=swap)
             outs = []
-            for upfront in (False, True):
+            for prefetch in (False, True):
                 out = _poisoned(args[0])
                 dispatch_quantized(*args, **kw, quantize_activations=quant_a, out=out,
-                                   config=dataclasses.replace(cfg, scales_upfront=upfront))
+                                   config=dataclasses.replace(cfg, prefetch_scales=prefetch))
                 outs.append(out)
             assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0)), (quant_a, swap)
             assert torch.equal(outs[0].isnan(), outs[1].isnan()), (quant_a, swap)
@@ -775,10 +776,10 @@ def test_scales_upfront_are_bit_equal(interpreter, T):
         cfg = dataclasses.replace(m_base, block_k=bk, mxfp4_swap_ab=swap,
                                   mxfp4_stacked_gate_up=stack)
         outs = []
-        for upfront in (False, True):
+        for prefetch in (False, True):
             out = _poisoned(a[0])
             dispatch_quantized(*a, **k, **extra, out=out,
-                               config=dataclasses.replace(cfg, scales_upfront=upfront))
+                               config=dataclasses.replace(cfg, prefetch_scales=prefetch))
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), (bk, swap, stack)
         assert torch.isfinite(outs[1]).all()

@@ -240,93 +240,14 @@ def step_scales(s_rows, wmask, k0, K, stride_sk, BLOCK_K: tl.constexpr, WFMT: tl
 
 
 @triton.jit
-def step_scales_upfront(s_ptr, n_steps, stride, NKB: tl.constexpr, rows_ptr=None, row_valid=None):
-    """The scales of every K step at once, as int32 bits (pick_step takes step kb's out
-    exactly): a scalar block scale per step ([NKB], s_ptr + kb * stride), or with rows_ptr a
-    per-row scale per step ([rows, NKB], rows_ptr[row] + kb, W8A8's activation group scales;
-    0 for invalid rows). One load round trip before the K loop instead of one per step: at
-    decode a K step is shorter than the memory latency a one-step-ahead load has to cover."""
-    offs_kb = tl.arange(0, NKB)
-    kb_mask = offs_kb < n_steps
-    if rows_ptr is None:
-        v = tl.load(s_ptr + offs_kb * stride, mask=kb_mask, other=0.0)
-    else:
-        v = tl.load(rows_ptr[:, None] + offs_kb[None, :], mask=row_valid[:, None] & kb_mask[None, :],
-                    other=0.0)
-    return v.to(tl.float32).to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def pick_step(bits, kb, NKB: tl.constexpr):
-    """Step kb's float32 scale from step_scales_upfront's [NKB] bits: the sum of kb's bits and
-    zeros, in integers (exact for every value: zeros of either sign, inf, NaN)."""
-    offs_kb = tl.arange(0, NKB)
-    return tl.sum(tl.where(offs_kb == kb, bits, 0), axis=0).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def pick_step_rows(bits, kb, NKB: tl.constexpr):
-    """pick_step for [rows, NKB] bits: each row's step-kb scale."""
-    offs_kb = tl.arange(0, NKB)
-    return tl.sum(tl.where(offs_kb[None, :] == kb, bits, 0), axis=1).to(tl.float32,
-                                                                        bitcast=True)
-
-
-@triton.jit
-def mxfp4_scales_upfront(s_rows, wmask, K, stride_sk, BLOCK_K: tl.constexpr, NKB: tl.constexpr):
-    """MXFP4's e8m0 scale bytes of every K step at once: [NKB, BN] words, step kb's
-    BLOCK_K // 32 bytes of each row packed low byte first (int32 words up to 4 bytes, int64 up
-    to 8: BLOCK_K 256; 0 for masked rows and past K, as mxfp4_scales); mxfp4_pick unpacks one
-    step."""
-    G: tl.constexpr = BLOCK_K // 32
-    offs_s = tl.arange(0, NKB)
-    if G > 4:
-        w = tl.zeros((NKB, s_rows.shape[0]), tl.int64)
-    else:
-        w = tl.zeros((NKB, s_rows.shape[0]), tl.int32)
-    for j in tl.static_range(G):
-        col = offs_s * G + j
-        b = tl.load(s_rows[None, :] + col[:, None] * stride_sk,
-                    mask=wmask[None, :] & (col < K // 32)[:, None], other=0)
-        w = w | (b.to(w.dtype) << (8 * j))
-    return w
-
-
-@triton.jit
-def mxfp4_pick(words, kb, BLOCK_K: tl.constexpr, NKB: tl.constexpr):
-    """Step kb's scale bytes [BN, BLOCK_K // 32] (uint8, as mxfp4_scales returns them) out of
-    mxfp4_scales_upfront's words."""
-    G: tl.constexpr = BLOCK_K // 32
-    w = tl.sum(tl.where(tl.arange(0, NKB)[:, None] == kb, words, 0), axis=0)
-    return ((w[:, None] >> (8 * tl.arange(0, G))[None, :]) & 255).to(tl.uint8)
-
-
-@triton.jit
-def weight_scales_upfront(s_rows, wmask, K, stride_sk, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
-                          NKB: tl.constexpr):
-    """Every K step's weight scales of one weight path before the K loop: FP8's scalar block
-    scales (step_scales_upfront), MXFP4's scale bytes (mxfp4_scales_upfront)."""
-    if WFMT == 1:
-        v = step_scales_upfront(s_rows, tl.cdiv(K, BLOCK_K), stride_sk, NKB)
-    else:
-        v = mxfp4_scales_upfront(s_rows, wmask, K, stride_sk, BLOCK_K, NKB)
-    return v
-
-
-@triton.jit
-def scales_at_step(s_rows, wmask, s_all, s_prev, k0, K, stride_sk, BLOCK_K: tl.constexpr,
-                   WFMT: tl.constexpr, SCALAR_SCALE: tl.constexpr, SCALES_UPFRONT: tl.constexpr,
+def scales_at_step(s_rows, wmask, s_prev, k0, K, stride_sk, BLOCK_K: tl.constexpr,
+                   WFMT: tl.constexpr, SCALAR_SCALE: tl.constexpr,
                    PREFETCH_SCALES: tl.constexpr):
     """(the K step at k0's weight scales, the value to carry to the next step) of one weight
-    path: picked from weight_scales_upfront's s_all with SCALES_UPFRONT; with PREFETCH_SCALES
-    s_prev (loaded a step earlier) and the next step's loaded now; else loaded now."""
+    path: with PREFETCH_SCALES s_prev (loaded a step earlier) and the next step's loaded now;
+    else loaded now."""
     nxt = s_prev
-    if SCALES_UPFRONT > 0:
-        if WFMT == 1:
-            now = pick_step(s_all, k0 // BLOCK_K, SCALES_UPFRONT)
-        else:
-            now = mxfp4_pick(s_all, k0 // BLOCK_K, BLOCK_K, SCALES_UPFRONT)
-    elif PREFETCH_SCALES:
+    if PREFETCH_SCALES:
         now = s_prev
         nxt = step_scales(s_rows, wmask, k0 + BLOCK_K, K, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
     else:
@@ -514,7 +435,7 @@ def quant_gate_up_kernel(
     BIT_DECODE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
     ACT_F32: tl.constexpr = False, EVEN_K: tl.constexpr = False,
     PREFETCH_SCALES: tl.constexpr = False, STACK_GU: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False, SCALES_UPFRONT: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = False,
 ):
     """STACK_GU (MXFP4 with SWAP_AB): the tile's gate and up rows are one [2 * BLOCK_N,
     BLOCK_K] decoded tile (with gate_up_interleaved, 2 * BLOCK_N consecutive rows of w13) and
@@ -528,10 +449,7 @@ def quant_gate_up_kernel(
     kernel quantizes it in its gather (QUANT_GATHER), so BLOCK_N need not be one bk group.
     USE_PDL (programmatic dependent launch, launched with launch_pdl=True): the program waits
     for its predecessor (gdc_wait) before its first memory access and lets its successor
-    launch (gdc_launch_dependents) once its K loop is done. SCALES_UPFRONT (FP8 with
-    SCALAR_SCALE, or MXFP4 with BLOCK_K <= 256; a power of two >= the K steps, 0: off): every
-    K step's weight scales (and A_PREQUANT's activation scales) loaded before the loop
-    (step_scales_upfront, mxfp4_scales_upfront), with PREFETCH_SCALES off."""
+    launch (gdc_launch_dependents) once its K loop is done."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
@@ -590,16 +508,6 @@ def quant_gate_up_kernel(
     sc_g = 0
     sc_u = 0
     xs = 0
-    sg_all = 0
-    su_all = 0
-    if SCALES_UPFRONT > 0:
-        sg_all = weight_scales_upfront(g_s, g_mask, H, stride_sk, BLOCK_K, WFMT, SCALES_UPFRONT)
-        if not STACK_GU:
-            su_all = weight_scales_upfront(u_s, n_mask, H, stride_sk, BLOCK_K, WFMT,
-                                           SCALES_UPFRONT)
-        if A_PREQUANT:
-            xs_all = step_scales_upfront(xs_ptr, tl.cdiv(H, BLOCK_K), 0, SCALES_UPFRONT,
-                                         xs_ptr + tok * stride_xs, row_valid)
     if PREFETCH_SCALES:
         sc_g = step_scales(g_s, g_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
         if not STACK_GU:
@@ -608,18 +516,15 @@ def quant_gate_up_kernel(
             xs = group_scales(xs_ptr + tok * stride_xs, row_valid, 0, H, BLOCK_K, False)
     for k0 in range(0, H, BLOCK_K):
         k_mask = k_in_range(offs_k, H - k0, EVEN_K)
-        sc_g_now, sc_g = scales_at_step(g_s, g_mask, sg_all, sc_g, k0, H, stride_sk, BLOCK_K,
-                                        WFMT, SCALAR_SCALE, SCALES_UPFRONT, PREFETCH_SCALES)
+        sc_g_now, sc_g = scales_at_step(g_s, g_mask, sc_g, k0, H, stride_sk, BLOCK_K, WFMT,
+                                        SCALAR_SCALE, PREFETCH_SCALES)
         sc_u_now = sc_u
         if not STACK_GU:
-            sc_u_now, sc_u = scales_at_step(u_s, n_mask, su_all, sc_u, k0, H, stride_sk,
-                                            BLOCK_K, WFMT, SCALAR_SCALE, SCALES_UPFRONT,
-                                            PREFETCH_SCALES)
+            sc_u_now, sc_u = scales_at_step(u_s, n_mask, sc_u, k0, H, stride_sk, BLOCK_K,
+                                            WFMT, SCALAR_SCALE, PREFETCH_SCALES)
         if A_PREQUANT:
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-            if SCALES_UPFRONT > 0:
-                a_scale = pick_step_rows(xs_all, k0 // BLOCK_K, SCALES_UPFRONT)
-            elif PREFETCH_SCALES:
+            if PREFETCH_SCALES:
                 a_scale = xs
                 xs = group_scales(xs_ptr + tok * stride_xs, row_valid, k0, H, BLOCK_K, True)
             else:
@@ -680,12 +585,12 @@ def quant_down_kernel(
     SCALAR_SCALE: tl.constexpr = False, BIT_DECODE: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False, QUANT_GATHER: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, PREFETCH_SCALES: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False, SCALES_UPFRONT: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = False,
 ):
     """QUANT_GATHER (W8A8): act is the gate+up kernel's float32 output (ACT_F32), quantized
     here per row and bk columns (BLOCK_K == bk) by the epilogue's arithmetic: the same e4m3
-    values and scales, computed once per N tile instead of once per row. USE_PDL and
-    SCALES_UPFRONT: as quant_gate_up_kernel's."""
+    values and scales, computed once per N tile instead of once per row. USE_PDL: as
+    quant_gate_up_kernel's."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, H, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
@@ -714,27 +619,19 @@ def quant_down_kernel(
     # each K step's scales, one step ahead with PREFETCH_SCALES (step_scales)
     sc = 0
     xs = 0
-    s_all = 0
-    if SCALES_UPFRONT > 0:
-        s_all = weight_scales_upfront(s_n, n_mask, I, stride_sk, BLOCK_K, WFMT, SCALES_UPFRONT)
-        if QUANT_A and not QUANT_GATHER:
-            xs_all = step_scales_upfront(act_scale_ptr, tl.cdiv(I, BLOCK_K), 0, SCALES_UPFRONT,
-                                         act_scale_ptr + rows * stride_as, row_valid)
     if PREFETCH_SCALES:
         sc = step_scales(s_n, n_mask, 0, I, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
         if QUANT_A and not QUANT_GATHER:
             xs = group_scales(act_scale_ptr + rows * stride_as, row_valid, 0, I, BLOCK_K, False)
     for k0 in range(0, I, BLOCK_K):
         k_mask = k_in_range(offs_k, I - k0, EVEN_K)
-        sc_now, sc = scales_at_step(s_n, n_mask, s_all, sc, k0, I, stride_sk, BLOCK_K, WFMT,
-                                    SCALAR_SCALE, SCALES_UPFRONT, PREFETCH_SCALES)
+        sc_now, sc = scales_at_step(s_n, n_mask, sc, k0, I, stride_sk, BLOCK_K, WFMT,
+                                    SCALAR_SCALE, PREFETCH_SCALES)
         if QUANT_GATHER:   # float32 act, quantized here
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, True, False, OP_DTYPE, EMULATE)
         elif QUANT_A:   # act was quantized by the gate+up kernel: e4m3 tile and row scales
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-            if SCALES_UPFRONT > 0:
-                a_scale = pick_step_rows(xs_all, k0 // BLOCK_K, SCALES_UPFRONT)
-            elif PREFETCH_SCALES:
+            if PREFETCH_SCALES:
                 a_scale = xs
                 xs = group_scales(act_scale_ptr + rows * stride_as, row_valid, k0, I, BLOCK_K,
                                   True)

@@ -62,11 +62,6 @@ class QuantDispatchConfig:
     # tiles asynchronously but leaves these loads (scalars, gathers, MXFP4's scale rows that
     # are not 4-byte aligned) synchronous in the step that uses them
     prefetch_scales: bool = True
-    # every K step's weight scales (FP8 with one scalar weight scale per step, where
-    # scalar_weight_scale applies, and W8A8's activation scales; MXFP4 with block_k <= 256: the
-    # e8m0 bytes of the tile's rows, packed one word per row and step) loaded before the
-    # K loop in one round trip (replaces prefetch_scales there). Not measured on a GPU yet: off
-    scales_upfront: bool = False
     # W8A8: hidden quantized once per token (quantize_groups_kernel) instead of in every gate+up
     # program's gather (not with weights_on_input, whose rows are scaled per slot first);
     # 1.02-1.48x on the H200 (docs/design.md)
@@ -283,11 +278,6 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     scalar13 = (fmt == "fp8" and cfg.scalar_weight_scale and not gate_up_interleaved
                 and bn % cfg.block_n1 == 0 and I % cfg.block_n1 == 0)
     scalar2 = fmt == "fp8" and cfg.scalar_weight_scale and bn % cfg.block_n2 == 0
-    # scales loaded before the K loop (scales_upfront): the K steps rounded up to a power of two
-    upfront13 = upfront2 = 0
-    if cfg.scales_upfront and (fmt == "fp8" or (wfmt == 2 and cfg.block_k <= 256)):
-        upfront13 = next_pow2(cdiv(H, cfg.block_k)) if fmt == "mxfp4" or scalar13 else 0
-        upfront2 = next_pow2(cdiv(I, cfg.block_k)) if fmt == "mxfp4" or scalar2 else 0
     x, xs = hidden, act_scale
     prequant = quant_a and cfg.prequantize_hidden and not weights_on_input
     if prequant:   # e4m3 hidden (float32 values in the interpreter) and its group scales
@@ -313,8 +303,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         BLOCK_N=cfg.block_n1, A_PREQUANT=prequant, SCALAR_SCALE=scalar13, ACT_F32=act_f32,
         EVEN_K=H % cfg.block_k == 0,
         STACK_GU=bool(common["SWAP_AB"] and cfg.mxfp4_stacked_gate_up),
-        **dict(common, SCALES_UPFRONT=upfront13,
-               PREFETCH_SCALES=common["PREFETCH_SCALES"] and not upfront13),
+        **common,
     )
     fk = launch_key(key and (key, "down"), *bufs)
     kernel_for(quant_down_kernel, dev, fk)[(n_blocks * cdiv(H, cfg.block_n2),)](
@@ -327,8 +316,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         HAS_BIAS=w2_bias is not None, HAS_WEIGHTS=not weights_on_input,
         BLOCK_N=cfg.block_n2, SCALAR_SCALE=scalar2, QUANT_GATHER=act_f32,
         EVEN_K=I % cfg.block_k == 0,
-        **dict(common, SCALES_UPFRONT=upfront2,
-               PREFETCH_SCALES=common["PREFETCH_SCALES"] and not upfront2),
+        **common,
     )
     if inter != out.dtype:
         out32 = torch.empty(T, H, dtype=inter, device=dev)

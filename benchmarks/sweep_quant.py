@@ -9,7 +9,9 @@ every variant's with --split-all).
         [--csv sweep.csv] [--split-all]
 
 A variant is a comma-separated list of field=value (ints; 0/1 for flags); "w8a16" as a field
-(w8a16=1) runs the FP8 weights with quantize_activations=False. The table printed last has one
+(w8a16=1) runs the FP8 weights with quantize_activations=False; "pad_scales" (pad_scales=1)
+passes the weight scales as views of buffers whose rows are padded to a multiple of 16 bytes
+(MXFP4: gpt-oss's 90-byte scale rows are not 4-byte aligned), the same values. The table printed last has one
 row per cell and variant: time, the ratio to the heuristic config, the relative L2 difference of
 the outputs, and the floor (quantized weight bytes of the experts hit at the copy rate)."""
 from __future__ import annotations
@@ -53,6 +55,15 @@ def make_weights(E, H, I, fmt, gpt_oss, g):
                      w13_bias=torch.randn(E, 2 * I, device="cuda", generator=g).bfloat16(),
                      w2_bias=torch.randn(E, H, device="cuda", generator=g).bfloat16())
     return w13, w2, extra
+
+
+def padded_rows(s: torch.Tensor) -> torch.Tensor:
+    """`s` as a view of a buffer whose last-dimension rows are padded to a multiple of 16 bytes."""
+    n = s.shape[-1]
+    per16 = max(1, 16 // s.element_size())
+    buf = torch.zeros(*s.shape[:-1], -(-n // per16) * per16, dtype=s.dtype, device=s.device)
+    buf[..., :n] = s
+    return buf[..., :n]
 
 
 def parse_variant(spec: str) -> dict:
@@ -99,6 +110,10 @@ def main():
             for spec in ["", *(opts.fp8 if fmt == "fp8" else opts.mxfp4)]:
                 fields = parse_variant(spec)
                 qa = not fields.pop("w8a16", 0)
+                qkw_v = qkw
+                if fields.pop("pad_scales", 0):
+                    qkw_v = dict(qkw, w13_scale=padded_rows(qkw["w13_scale"]),
+                                 w2_scale=padded_rows(qkw["w2_scale"]))
                 if fmt == "fp8" and not qa:
                     base_v = quant_dispatch_config(T, E, K, H, I, fmt, 128, "cuda", quant_a=False)
                 else:
@@ -109,7 +124,7 @@ def main():
                         getattr(base_v, k), bool) else v) for k, v in fields.items()})
                     extra = {"quantize_activations": qa} if fmt == "fp8" else {}
 
-                    def fn(cfg=cfg, extra=extra, args=(hidden, w13, w2, tw, ids), qkw=qkw):
+                    def fn(cfg=cfg, extra=extra, args=(hidden, w13, w2, tw, ids), qkw=qkw_v):
                         return dispatch_quantized(*args, **qkw, **extra, config=cfg)
                     out = fn().float()
                     if not torch.isfinite(out).all():

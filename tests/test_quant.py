@@ -786,6 +786,27 @@ def test_prefetched_special_scales_and_wide_k_steps(interpreter, T):
     assert rel_err(outs[1], quantized_dispatch_reference(*w_args, **w_kw, **w_more)) < 1e-5
 
 
+def test_scales_as_views_of_padded_rows(interpreter):
+    """Weight scales passed as views of buffers with padded rows (a row stride past the row's
+    length, e.g. gpt-oss's 90-byte e8m0 rows padded to 96 so they are 16-byte aligned) give the
+    contiguous scales' output bit for bit, MXFP4 and FP8."""
+    def padded(s):
+        buf = torch.full((*s.shape[:-1], s.shape[-1] + 5), 7, dtype=s.dtype)
+        buf[..., :s.shape[-1]] = s
+        return buf[..., :s.shape[-1]]
+
+    m_args, m_kw, biases = mxfp4_inputs(3, 96, 64, 4, 2, routing="negative")
+    m_kw = dict(m_kw, activation="swiglu_oai", gate_up_interleaved=True, **biases)
+    f_args, f_kw = fp8_inputs(3, 96, 64, 4, 2, (32, 32), routing="negative")
+    for args, kw in ((m_args, m_kw), (f_args, f_kw)):
+        pk = dict(kw, w13_scale=padded(kw["w13_scale"]), w2_scale=padded(kw["w2_scale"]))
+        assert not pk["w13_scale"].is_contiguous()
+        a = dispatch_quantized(*args, **kw, out=_poisoned(args[0]))
+        b = dispatch_quantized(*args, **pk, out=_poisoned(args[0]))
+        assert torch.equal(a, b)
+        assert torch.isfinite(b).all()
+
+
 # ---------------------------------------------------------------- config paths
 
 def test_fp8_prequantized_hidden_is_the_fused_arithmetic(interpreter, monkeypatch):

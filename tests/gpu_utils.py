@@ -24,6 +24,18 @@ def _poison_allocator(nbytes=1 << 30):
     torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
 
 
+def peak_beyond_allocated(run):
+    """run()'s result and its peak memory beyond what was allocated before it, measured on a
+    second call (the first compiles the kernels and warms the allocator)."""
+    run()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = run()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
 def misaligned_copy(t):
     """A copy of `t` as a view one element past its buffer's start (off 16-byte alignment for
     2- and 4-byte dtypes): the launch path must specialise it apart from aligned arguments."""

@@ -9,7 +9,8 @@ import triton.language as tl  # noqa: F401
 
 from conftest import assert_same_selection, nan_summary, rel_err  # noqa: F401
 from gpu_utils import (BWD_RTOL, GPU_RTOL, SHAPES, _inputs, _oracle,  # noqa: F401
-                       _poison_allocator, deepseek_backward_experts, start_gpu_noise)
+                       _poison_allocator, deepseek_backward_experts, peak_beyond_allocated,
+                       start_gpu_noise)
 from moe_ops.launch.dispatch import dispatch_triton  # noqa: F401
 from moe_ops.ops.samples import make_dispatch_inputs  # noqa: F401
 from moe_ops.reference import dispatch_reference, route_reference  # noqa: F401
@@ -197,18 +198,6 @@ def test_backward_default_kernels_exact_beside_another_gpu_process():
         noise.wait()
 
 
-def _peak_beyond_allocated(run):
-    """run()'s result and its peak memory beyond what was allocated before it (after a warm-up
-    call: compile, configs)."""
-    run()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = run()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() - base
-
-
 def _backward_buffer_bytes(T, K, E, H, I):
     """Bytes of the backward's transient bf16 buffers (dA float32) at the largest aligned row
     count (at most block_m - 1 = 127 padding rows per expert): x or dO gathered, dz, s*a, dA,
@@ -234,7 +223,7 @@ def test_backward_peak_memory_follows_the_order_of_use(path):
     z = torch.ops.moe.dispatch_train(*args)[1] if path == "saved" else None
     run = (lambda: torch.ops.moe.dispatch_backward_saved(go, z, *args)) if z is not None else (
         lambda: torch.ops.moe.dispatch_backward(go, *args))
-    grads, peak = _peak_beyond_allocated(run)
+    grads, peak = peak_beyond_allocated(run)
     b = _backward_buffer_bytes(T, K, E, H, I)
     nbytes = [g.numel() * g.element_size() for g in grads[:4]]   # dx, dw13, dw2, dweights
     act_grad = b["gathered"] + b["dz"] + b["sa"] + b["dA"] + (b["z"] if z is None else 0)
@@ -271,7 +260,7 @@ def test_x_chunks_bit_equal_and_lower_peak():
     grads = {}
     for label, bwd in (("one", bc), ("auto", auto),
                        ("four", dataclasses.replace(bc, x_chunks=4))):
-        grads[label], grads[label + "_peak"] = _peak_beyond_allocated(
+        grads[label], grads[label + "_peak"] = peak_beyond_allocated(
             lambda bwd=bwd: dispatch_backward_triton(go, *args, z=z, config=cfg, bwd_config=bwd))
     nbytes = [g.numel() * g.element_size() for g in grads["one"][:4]]   # dx, dw13, dw2, dweights
     for label, n in (("auto", 2), ("four", 4)):

@@ -13,6 +13,7 @@ from torch._dynamo.decorators import mark_unbacked
 
 import moe_ops
 from conftest import rel_err
+from gpu_utils import peak_beyond_allocated
 from moe_ops.ops.samples import VARIANTS, make_variant_inputs
 from test_dispatch_variants import _grads_oracle, _oracle64, dense_oracle
 
@@ -161,15 +162,9 @@ def test_transposed_weights_allocate_no_weight_copy():
     """gpt-oss's [E, H, 2I] / [E, I, H] storage passed as transposed views: the forward's peak
     allocation stays well under one weight's bytes (no copy of either)."""
     args, kw = _inputs("gpt_oss", 16, H=1024, I=1024, E=16, K=4, seed=5)
-    moe_ops.dispatch(*args, **kw)   # kernels compiled, allocator warm
-    torch.cuda.synchronize()
     w13_bytes = args[1].numel() * args[1].element_size()
     w2_bytes = args[2].numel() * args[2].element_size()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = moe_ops.dispatch(*args, **kw)
-    torch.cuda.synchronize()
-    delta = torch.cuda.max_memory_allocated() - base
+    out, delta = peak_beyond_allocated(lambda: moe_ops.dispatch(*args, **kw))
     assert delta < min(w13_bytes, w2_bytes) / 4, (delta, w13_bytes, w2_bytes)
     del out
 

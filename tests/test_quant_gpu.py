@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import rel_err
-from gpu_utils import misaligned_copy
+from gpu_utils import misaligned_copy, peak_beyond_allocated
 
 import moe_ops
 from moe_ops.launch.quant import dispatch_quantized
@@ -245,13 +245,8 @@ def test_peak_memory():
     hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
     tw, ids = _route(T, E, K, g)
     kw = dict(w13_scale=s13, w2_scale=s2)
-    torch.ops.moe.dispatch(hidden, q13, q2, tw, ids, **kw)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    torch.ops.moe.dispatch(hidden, q13, q2, tw, ids, **kw)
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
+    _, extra = peak_beyond_allocated(lambda: torch.ops.moe.dispatch(hidden, q13, q2, tw, ids,
+                                                                    **kw))
     rows = T * K + E * 63          # act rows at most (BLOCK_M <= 64)
     expected = 2 * (rows * I + T * K * H + T * H) + 8 * (rows + E) + (64 << 20)
     assert extra <= expected, (extra, expected)

@@ -91,7 +91,8 @@ def inline_ptx(device) -> bool:
 
 def warp_specialization_safe() -> bool:
     """False on every supported Triton: no warp-specialised kernel ships until one passes the
-    GPU suite alone and beside a process running matmuls on the same GPU."""
+    GPU suite alone and beside a process running matmuls on the same GPU. A minimal
+    warp-specialised GEMM was wrong on 3.6 and again on 3.9.0, even alone (docs/design.md)."""
     return False
 
 

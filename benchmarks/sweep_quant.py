@@ -11,9 +11,10 @@ every variant's with --split-all).
 A variant is a comma-separated list of field=value (ints; 0/1 for flags); "w8a16" as a field
 (w8a16=1) runs the FP8 weights with quantize_activations=False; "pad_scales" (pad_scales=1)
 passes the weight scales as views of buffers whose rows are padded to a multiple of 16 bytes
-(MXFP4: gpt-oss's 90-byte scale rows are not 4-byte aligned), the same values. The table printed last has one
-row per cell and variant: time, the ratio to the heuristic config, the relative L2 difference of
-the outputs, and the floor (quantized weight bytes of the experts hit at the copy rate)."""
+(MXFP4: gpt-oss's 90-byte scale rows are not 4-byte aligned), the same values. The table
+printed last has one row per cell and variant: time, the ratio to the heuristic config, the
+relative L2 difference of the outputs, and the floor (quantized weight bytes of the experts hit
+at the copy rate)."""
 from __future__ import annotations
 
 import argparse

@@ -729,14 +729,13 @@ def test_prefetched_scales_are_bit_equal(interpreter, T):
 @pytest.mark.parametrize("T", [1, 7])
 def test_prefetched_special_scales_and_wide_k_steps(interpreter, T):
     """Scales loaded one K step ahead and in the step give the same output bit for bit where
-    scales are zero, negative zero or NaN, and at MXFP4 K steps up to 256 values. FP8: W8A8 (prequantized
-    hidden: its activation scales too) and W8A16, plain and transposed tiles, 3 K steps on
-    gate+up (H = 96, a power-of-two pad of 4) and 2 on down, weight scales with a zero, a
-    negative zero and a NaN block (its outputs NaN in both); a dropped id. MXFP4 (gpt-oss's
-    variants): plain, transposed and stacked tiles, K steps of 32, 64, 128 and 256 values (1, 2,
-    4 and 8 scale bytes per row and step, at H = 320 and I = 288; H = 96
-    has a K tail at 64 and 128); the 256-value steps (the heuristic's at <= 4 slots) match the
-    reference."""
+    scales are zero, negative zero or NaN, and at MXFP4 K steps up to 256 values. FP8: W8A8
+    (prequantized hidden: its activation scales too) and W8A16, plain and transposed tiles, 3 K
+    steps on gate+up (H = 96) and 2 on down, weight scales with a zero, a negative zero and a
+    NaN block (its outputs NaN in both); a dropped id. MXFP4 (gpt-oss's variants): plain,
+    transposed and stacked tiles, K steps of 32, 64, 128 and 256 values (1, 2, 4 and 8 scale
+    bytes per row and step, at H = 320 and I = 288; H = 96 has a K tail at 64 and 128); the
+    256-value steps (the heuristic's at <= 4 slots) match the reference."""
     import dataclasses
 
     from moe_ops.launch.quant import quant_dispatch_config

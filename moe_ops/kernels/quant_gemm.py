@@ -437,7 +437,7 @@ def quant_gate_up_kernel(
     PREFETCH_SCALES: tl.constexpr = False, STACK_GU: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
-    """STACK_GU (SWAP_AB; FP8 with per-row scales): the tile's gate and up rows are one [2 * BLOCK_N,
+    """STACK_GU (MXFP4 with SWAP_AB): the tile's gate and up rows are one [2 * BLOCK_N,
     BLOCK_K] decoded tile (with gate_up_interleaved, 2 * BLOCK_N consecutive rows of w13) and
     one MMA chain per K step instead of two; the accumulator is split back into gate and up
     before the epilogue. Each output element is the same sum over the same K steps.
@@ -495,10 +495,7 @@ def quant_gate_up_kernel(
             st_rows = tl.where(offs_j >= BLOCK_N, n_j.to(tl.int64) + I, n_j.to(tl.int64))
             g_mask = n_j < I
         g_w = w_e + st_rows * stride_wn
-        if WFMT == 1:   # each row's [bn, bk] block row
-            g_s = s_e + (st_rows // scale_bn) * stride_sn
-        else:
-            g_s = s_e + st_rows * stride_sn
+        g_s = s_e + st_rows * stride_sn
         acc_g = tl.zeros((2 * BLOCK_N, BLOCK_M), tl.float32)
     elif SWAP_AB:
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -687,29 +684,3 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, stride_xh, stri
     tl.store(q_ptr + rows64[:, None] * stride_qt + cols[None, :], q.to(q_ptr.dtype.element_ty),
              mask=mask)
     tl.store(s_ptr + rows64 * stride_st + tl.program_id(1), scale, mask=r_mask)
-
-
-@triton.jit
-def quantize_act_kernel(act_ptr, q_ptr, s_ptr, sorted_ptr, block_expert_ptr, n_slots, I,
-                        stride_am, stride_qm, stride_sm, ids_ptr, stride_ik, n_experts,
-                        EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DIRECT: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """The gate+up GEMM's float32 act (ACT_F32) quantized per row and BLOCK_K (= bk) columns
-    for the down GEMM, by quantize_rows' arithmetic (the epilogue's: the same e4m3 values and
-    scales): q [rows, I] e4m3 (its float32 value under EMULATE), s [rows, cdiv(I, bk)] float32.
-    Only the valid rows of each row block are read and written (row_block). Grid (row blocks,
-    cdiv(I, bk)). USE_PDL: waits for its predecessor, then lets its successor launch."""
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    pid_m = tl.program_id(0)
-    _, rows, _, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
-                                      stride_ik, n_experts, BLOCK_M, DIRECT, BLOCK_M)
-    rows64 = rows.to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = row_valid[:, None] & (cols < I)[None, :]
-    a = tl.load(act_ptr + rows64[:, None] * stride_am + cols[None, :], mask=mask, other=0.0)
-    q, scale = quantize_rows(a.to(tl.float32), EMULATE)
-    tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
-             mask=mask)
-    tl.store(s_ptr + rows64 * stride_sm + tl.program_id(1), scale, mask=row_valid)

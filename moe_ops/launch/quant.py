@@ -16,7 +16,6 @@ from moe_ops._runtime import cdiv, next_pow2
 from moe_ops.kernels.quant_gemm import (
     quant_down_kernel,
     quant_gate_up_kernel,
-    quantize_act_kernel,
     quantize_groups_kernel,
 )
 from moe_ops.launch._common import kernel_for, pdl_args
@@ -71,10 +70,6 @@ class QuantDispatchConfig:
     # its gather (the same e4m3 values and scales as the epilogue's quantization), so block_n1
     # need not be bk: at decode, narrower gate+up tiles give more programs
     act_quant_in_down: bool = False
-    # W8A8 with act_quant_in_down: the float32 act is quantized by a kernel of its own between
-    # the GEMMs (quant_gemm.quantize_act_kernel, once per row and bk group) and the down GEMM
-    # reads e4m3 act and its scales, as after the fused epilogue; the same values
-    act_quant_pass: bool = False
     # MXFP4 with mxfp4_swap_ab: the gate and up rows of a tile decoded as one [2 * block_n1,
     # block_k] tile and multiplied by one MMA chain per K step (quant_gemm: STACK_GU); the same
     # sums (bit-equal). The heuristic turns it on with block_n1 32 at <= 64 slots (decode).
@@ -83,11 +78,6 @@ class QuantDispatchConfig:
     # MMA's N, so a decode tile of 16 rows runs a 16-wide wgmma instead of a 64-row one whose
     # rows are mostly padding; the same promotion arithmetic per element
     fp8_swap_ab: bool = False
-    # FP8 with fp8_swap_ab: the gate and up rows of a tile as one [2 * block_n1, bk] weight tile
-    # and one MMA chain per K step, as mxfp4_stacked_gate_up (per-row weight scales); with
-    # act_quant_in_down, block_n1 32 keeps the MMA's M at 64 and gives four times the programs
-    # of the bk-wide tiles
-    fp8_stacked_gate_up: bool = False
     # programmatic dependent launch (sm_90+): each kernel of the call may launch while its
     # predecessor finishes and waits for it before its first memory access. H100, graph
     # replay: FP8 Qwen3-30B-A3B T=1 36.2 -> 32.8 us (1.10x), T=8 1.03x, DeepSeek-V3 1.00-1.01x;
@@ -224,9 +214,6 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         raise ValueError(f"config.block_k must equal the FP8 block_shape's bk = {bk}, got "
                          f"{cfg.block_k}")
     act_f32 = quant_a and cfg.act_quant_in_down
-    if cfg.act_quant_pass and not cfg.act_quant_in_down:
-        raise ValueError("config.act_quant_pass quantizes the float32 act of act_quant_in_down: "
-                         "set act_quant_in_down=True with it")
     if quant_a and not act_f32 and cfg.block_n1 != bk:
         raise ValueError(f"config.block_n1 must equal bk = {bk} for W8A8 (the gate+up tile is "
                          f"one activation group of the down GEMM) unless act_quant_in_down, "
@@ -288,10 +275,8 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
                   num_stages=cfg.num_stages, BIT_DECODE=bit_decode,
                   SWAP_AB=(wfmt == 2 and cfg.mxfp4_swap_ab) or (wfmt == 1 and cfg.fp8_swap_ab),
                   PREFETCH_SCALES=wfmt in (1, 2) and cfg.prefetch_scales, **pdl)
-    stack_gu = bool(common["SWAP_AB"] and (cfg.fp8_stacked_gate_up if wfmt == 1
-                                            else cfg.mxfp4_stacked_gate_up))
     scalar13 = (fmt == "fp8" and cfg.scalar_weight_scale and not gate_up_interleaved
-                and bn % cfg.block_n1 == 0 and I % cfg.block_n1 == 0 and not stack_gu)
+                and bn % cfg.block_n1 == 0 and I % cfg.block_n1 == 0)
     scalar2 = fmt == "fp8" and cfg.scalar_weight_scale and bn % cfg.block_n2 == 0
     x, xs = hidden, act_scale
     prequant = quant_a and cfg.prequantize_hidden and not weights_on_input
@@ -317,21 +302,9 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         HAS_BIAS=w13_bias is not None, WEIGHTS_ON_INPUT=bool(weights_on_input),
         BLOCK_N=cfg.block_n1, A_PREQUANT=prequant, SCALAR_SCALE=scalar13, ACT_F32=act_f32,
         EVEN_K=H % cfg.block_k == 0,
-        STACK_GU=stack_gu,
+        STACK_GU=bool(common["SWAP_AB"] and cfg.mxfp4_stacked_gate_up),
         **common,
     )
-    quant_gather = act_f32
-    if act_f32 and cfg.act_quant_pass:   # act quantized once, by its own kernel
-        act_q = torch.empty(al.max_rows, I, device=dev,
-                            dtype=torch.float32 if emulate else torch.float8_e4m3fn)
-        act_scale = torch.empty(al.max_rows, cdiv(I, bk), dtype=torch.float32, device=dev)
-        fk = launch_key(key and (key, "quantize_act"), act_q, act_scale, *bufs)
-        kernel_for(quantize_act_kernel, dev, fk)[(n_blocks, cdiv(I, bk))](
-            act, act_q, act_scale, al.sorted_slots, al.block_expert, n_slots, I, act.stride(0),
-            act_q.stride(0), act_scale.stride(0), *rows_args.values(), EMULATE=emulate,
-            BLOCK_M=cfg.block_m, BLOCK_K=bk, DIRECT=direct, num_warps=4, **pdl)
-        act, quant_gather = act_q, False
-        bufs = (act, act_scale) + bufs[2:]
     fk = launch_key(key and (key, "down"), *bufs)
     kernel_for(quant_down_kernel, dev, fk)[(n_blocks * cdiv(H, cfg.block_n2),)](
         act, w2_k, w2_scale, b2, topk_weights, y, al.sorted_slots, al.block_expert, al.num_rows,
@@ -341,7 +314,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         b2.stride(0), b2.stride(1), topk_weights.stride(0), topk_weights.stride(1), y.stride(0),
         act_scale, act_scale.stride(0), *rows_args.values(),
         HAS_BIAS=w2_bias is not None, HAS_WEIGHTS=not weights_on_input,
-        BLOCK_N=cfg.block_n2, SCALAR_SCALE=scalar2, QUANT_GATHER=quant_gather,
+        BLOCK_N=cfg.block_n2, SCALAR_SCALE=scalar2, QUANT_GATHER=act_f32,
         EVEN_K=I % cfg.block_k == 0,
         **common,
     )

@@ -9,7 +9,9 @@
 # examples/cuda_graph_decode.py), EXAMPLE_TIMEOUT (0 skips examples/train_moe.py --device cuda),
 # TRITON_ENV (a script sourced first that puts another Triton on the path, e.g. the env.sh of
 # ../shared/tools/device-triton.sh), PYTEST_ARGS (added to every test group, e.g.
-# "-k 'not compile'"), WEIGHTS (quant stage: the --weights runs, default "fp8 mxfp4").
+# "-k 'not compile'"), WEIGHTS (quant stage: the --weights runs, default "fp8 mxfp4"),
+# PYTEST_WORKERS (pytest-xdist processes per test group, e.g. 4: compilation, most of a group's
+# time, then runs in parallel; needs pytest-xdist, which can travel as a wheel in .whl/).
 # Stages: tests, bench, quant (moe-ops-bench --weights for each of WEIGHTS), all (tests, bench).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +36,9 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
   # The three groups partition the GPU tests: the forward GPU files, the backward one, the rest.
   run_group() {  # name, pytest args...
     local name=$1; shift
-    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 "$@" "${extra[@]}" \
+    local workers=()
+    [ -n "${PYTEST_WORKERS:-}" ] && workers=(-n "$PYTEST_WORKERS")
+    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 "${workers[@]}" "$@" "${extra[@]}" \
       > "$out/gpu_tests_$name.log" 2>&1
     echo "[$name] rc=$? $(tail -1 "$out/gpu_tests_$name.log")"
   }

@@ -11,7 +11,8 @@ every variant's with --split-all).
 A variant is a comma-separated list of field=value (ints; 0/1 for flags); "w8a16" as a field
 (w8a16=1) runs the FP8 weights with quantize_activations=False; "pad_scales" (pad_scales=1)
 passes the weight scales as views of buffers whose rows are padded to a multiple of 16 bytes
-(MXFP4: gpt-oss's 90-byte scale rows are not 4-byte aligned), the same values. The table
+(MXFP4: gpt-oss's 90-byte scale rows are not 4-byte aligned), the same values; "mma_layout"
+(mma_layout=1, MXFP4) passes the weights in moe_ops.mxfp4_layout's order. The table
 printed last has one row per cell and variant: time, the ratio to the heuristic config, the
 relative L2 difference of the outputs, and the floor (quantized weight bytes of the experts hit
 at the copy rate)."""
@@ -24,6 +25,7 @@ import dataclasses
 import torch
 
 from moe_ops.launch.quant import dispatch_quantized, quant_dispatch_config
+from moe_ops.mxfp4_layout import swizzle_mxfp4
 from moe_ops.tools._timing import capture_graph
 from moe_ops.tools.bench import (
     Timer,
@@ -98,6 +100,7 @@ def main():
         E, K, H, I, fmt, gpt_oss = SHAPES[name]
         g = torch.Generator(device="cuda").manual_seed(0)
         w13, w2, qkw = make_weights(E, H, I, fmt, gpt_oss, g)
+        mma_w = None
         wbytes = (1.0 + 4 / 128 ** 2) if fmt == "fp8" else (0.5 + 1 / 32)
         for T in [int(t) for t in tokens.split(",")]:
             hidden = torch.randn(T, H, device="cuda", generator=g).bfloat16()
@@ -115,6 +118,13 @@ def main():
                 if fields.pop("pad_scales", 0):
                     qkw_v = dict(qkw, w13_scale=padded_rows(qkw["w13_scale"]),
                                  w2_scale=padded_rows(qkw["w2_scale"]))
+                if fields.pop("mma_layout", 0):   # MXFP4 weights in the mma layout
+                    if mma_w is None:
+                        mma_w = swizzle_mxfp4(w13), swizzle_mxfp4(w2)
+                    qkw_v = dict(qkw_v, mxfp4_layout="mma")
+                    wts = mma_w
+                else:
+                    wts = (w13, w2)
                 if fmt == "fp8" and not qa:
                     base_v = quant_dispatch_config(T, E, K, H, I, fmt, 128, "cuda", quant_a=False)
                 else:
@@ -125,7 +135,7 @@ def main():
                         getattr(base_v, k), bool) else v) for k, v in fields.items()})
                     extra = {"quantize_activations": qa} if fmt == "fp8" else {}
 
-                    def fn(cfg=cfg, extra=extra, args=(hidden, w13, w2, tw, ids), qkw=qkw_v):
+                    def fn(cfg=cfg, extra=extra, args=(hidden, *wts, tw, ids), qkw=qkw_v):
                         return dispatch_quantized(*args, **qkw, **extra, config=cfg)
                     out = fn().float()
                     if not torch.isfinite(out).all():
@@ -148,7 +158,7 @@ def main():
                            "", ""]
                 rows.append(row)
                 print(" | ".join(row), flush=True)
-        w13 = w2 = qkw = None   # free this shape's weights before the next
+        w13 = w2 = qkw = mma_w = None   # free this shape's weights before the next
         torch.cuda.empty_cache()
     header = ["shape", "T", "variant", "us", "x heur", "diff", "floor us", "floor %"]
     print()

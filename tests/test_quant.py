@@ -925,3 +925,91 @@ def test_config_errors_name_the_field(interpreter):
     for args, kw, cfg, msg in cases:
         with pytest.raises(ValueError, match=msg):
             dispatch_quantized(*args, **kw, config=cfg)
+
+
+# ---------------------------------------------------------------- MXFP4 mma layout
+
+def test_mxfp4_layout_round_trip_and_byte_map():
+    """swizzle_mxfp4 is a permutation of each 16-row x 32-byte block plus a per-word re-encoding
+    that unswizzle_mxfp4 inverts exactly; the permutation puts logical byte (n, kb) where the
+    kernels' unshuffle reads it (moe_ops.mxfp4_layout's byte map); bad shapes name the
+    argument."""
+    from moe_ops.mxfp4_layout import _permute, swizzle_mxfp4, unswizzle_mxfp4
+
+    g = torch.Generator().manual_seed(_seed())
+    w = torch.randint(0, 256, (2, 32, 64), generator=g, dtype=torch.uint8)
+    s = swizzle_mxfp4(w)
+    assert s.shape == w.shape and s.dtype == torch.uint8 and s.is_contiguous()
+    assert not torch.equal(s, w)
+    assert torch.equal(unswizzle_mxfp4(s), w)
+    flat = _permute(w).reshape(2, -1)
+    for n in range(32):
+        a, r = divmod(n, 16)
+        gg, r = divmod(r, 8)
+        b, d = divmod(r, 2)
+        for kb in range(64):
+            c, r2 = divmod(kb, 32)
+            f, e = divmod(r2, 4)
+            pos = (4 * a + b) * 4 * 64 + 128 * c + 64 * d + 16 * e + 2 * f + gg
+            assert flat[1, pos] == w[1, n, kb]
+    # every code of a word survives the re-encoding: all 2^8 values in each byte position
+    words = torch.stack([torch.arange(256, dtype=torch.uint8)] * 4, dim=-1)
+    words[:, 1] = words[:, 1].flip(0)
+    words = words.reshape(1, 16, 64)
+    assert torch.equal(unswizzle_mxfp4(swizzle_mxfp4(words)), words)
+    with pytest.raises(ValueError, match="N % 16"):
+        swizzle_mxfp4(torch.zeros(1, 24, 64, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="uint8"):
+        swizzle_mxfp4(torch.zeros(1, 32, 64, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("T", [1, 7])
+def test_mxfp4_mma_layout_path(interpreter, T, interleaved):
+    """The kernels' MMA_LAYOUT path on swizzled weights (stacked and two-tile gate+up, a K tail
+    of 64 values in a 128-value step, a dropped id, e8m0 edge scales) gives the plain layout's
+    values (same config) and matches the reference."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+    from moe_ops.mxfp4_layout import swizzle_mxfp4
+
+    H, I, E, K = 192, 64, 4, 2
+    args, kw, biases = mxfp4_inputs(T, H, I, E, K, routing="negative")
+    for s in (kw["w13_scale"], kw["w2_scale"]):
+        s.view(-1)[::7] = 0
+        s.view(-1)[3::11] = 129
+    more = (dict(activation="swiglu_oai", gate_up_interleaved=True, **biases) if interleaved
+            else dict(activation="silu"))
+    kw = dict(kw, **more)
+    ref = quantized_dispatch_reference(*args, **kw)
+    mma_args = (args[0], swizzle_mxfp4(args[1]), swizzle_mxfp4(args[2]), *args[3:])
+    base = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cpu")
+    for fields in (dict(block_k=64, mxfp4_stacked_gate_up=True),
+                   dict(block_k=128, mxfp4_stacked_gate_up=interleaved)):
+        cfg = dataclasses.replace(base, mxfp4_swap_ab=True, **fields)
+        out = dispatch_quantized(*mma_args, **kw, mxfp4_layout="mma", config=cfg,
+                                 out=_poisoned(args[0]))
+        plain = dispatch_quantized(*args, **kw, config=cfg)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, plain.double()) < 1e-6, fields
+        assert rel_err(out, ref) < 1e-5, fields
+
+
+def test_mxfp4_mma_layout_errors(interpreter):
+    """The mma layout's requirements raise naming what is wrong: MXFP4 weights only, H and I
+    multiples of 64, contiguous rows."""
+    from moe_ops.mxfp4_layout import swizzle_mxfp4
+
+    args, kw, _ = mxfp4_inputs(2, 96, 64, 4, 2)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        dispatch_quantized(*args, **kw, mxfp4_layout="mma")
+    args, kw, _ = mxfp4_inputs(2, 128, 64, 4, 2)
+    w13 = swizzle_mxfp4(args[1])
+    strided = torch.empty(4, 128, 64, dtype=torch.uint8)[:, :, :32]
+    strided.copy_(swizzle_mxfp4(args[2]))
+    with pytest.raises(ValueError, match="w2: the mma layout"):
+        dispatch_quantized(args[0], w13, strided, *args[3:], **kw, mxfp4_layout="mma")
+    fa, fkw = fp8_inputs(2, 128, 64, 4, 2)
+    with pytest.raises(ValueError, match="MXFP4"):
+        dispatch_quantized(*fa, **fkw, mxfp4_layout="mma")

@@ -451,3 +451,56 @@ def test_fast_launch_repeated_and_misaligned_calls(fmt, T, monkeypatch):
     h1, tw1 = misaligned_copy(hidden), misaligned_copy(tw)
     for _ in range(2):
         assert torch.equal(torch.ops.moe.dispatch(h1, q13, q2, tw1, ids, **kw), outs[0])
+
+
+@pytest.mark.parametrize("T", [1, 8, 128, 700, 2048])
+def test_mxfp4_mma_layout_bit_equal(T):
+    """MXFP4 weights in the mma layout (moe_ops.mxfp4_layout.swizzle_mxfp4, the MMA_LAYOUT
+    kernels) give the plain layout's outputs bit for bit at gpt-oss-20b's shape, with e8m0 scales
+    at the decode's edges (subnormal and two-factor branches), and agree with float64."""
+    from moe_ops.mxfp4_layout import swizzle_mxfp4
+
+    hidden, b13, b2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 500 + T)
+    g = torch.Generator(device=DEV).manual_seed(600 + T)
+    edges = torch.tensor([0, 1, 2, 127, 128, 129, 131], dtype=torch.uint8, device=DEV)
+    for s in (kw["w13_scale"], kw["w2_scale"]):
+        pick = torch.rand(s.shape, device=DEV, generator=g) < 0.01
+        s[pick] = edges[torch.randint(0, len(edges), (int(pick.sum()),), device=DEV,
+                                      generator=g)]
+    plain = dispatch_quantized(hidden, b13, b2, tw, ids, **kw)
+    out = torch.full_like(plain, float("nan"))
+    dispatch_quantized(hidden, swizzle_mxfp4(b13), swizzle_mxfp4(b2), tw, ids, **kw,
+                       mxfp4_layout="mma", out=out)
+    assert torch.isfinite(plain).all()
+    assert torch.equal(out, plain)
+    assert rel_err(out, quantized_dispatch_reference(hidden, b13, b2, tw, ids, **kw)) <= 1e-2
+
+
+@pytest.mark.parametrize("T", [1, 64, 700])
+def test_mxfp4_mma_layout_not_interleaved(T):
+    """The mma layout with gate and up rows in halves (two slabs per stacked tile, or two tiles),
+    float16 activations too, against the plain layout and float64."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+    from moe_ops.mxfp4_layout import swizzle_mxfp4
+
+    E, K, H, I = 8, 2, 512, 384
+    g = torch.Generator(device=DEV).manual_seed(700 + T)
+    b13, b2, s13, s2 = mxfp4_weights(E, H, I, g)
+    tw, ids = _route(T, E, K, g)
+    kw = dict(w13_scale=s13, w2_scale=s2, activation="silu")
+    m13, m2 = swizzle_mxfp4(b13), swizzle_mxfp4(b2)
+    for dtype in (torch.bfloat16, torch.float16):
+        hidden = torch.randn(T, H, device=DEV, generator=g).to(dtype)
+        ref = quantized_dispatch_reference(hidden, b13, b2, tw, ids, **kw)
+        cfg = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda")
+        for stacked in (True, False):
+            c = dataclasses.replace(cfg, mxfp4_stacked_gate_up=stacked)
+            plain = dispatch_quantized(hidden, b13, b2, tw, ids, **kw, config=c)
+            out = torch.full_like(plain, float("nan"))
+            dispatch_quantized(hidden, m13, m2, tw, ids, **kw, config=c, mxfp4_layout="mma",
+                               out=out)
+            assert torch.isfinite(out).all()
+            assert rel_err(out, plain.double()) <= 5e-3, (dtype, stacked)
+            assert rel_err(out, ref) <= 1e-2, (dtype, stacked)

@@ -176,6 +176,87 @@ def mxfp4_tile_asm(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr):
                                      dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
+# Four bf16x2 registers from one 32-bit word of the mma layout (moe_ops.mxfp4_layout: eight
+# codes at bf16 bit positions, times 2^-126): $0 and $1 the first two bytes' pairs, $2 and $3 the
+# last two's; shifts and masks only.
+_MXFP4_MMA_WORD_ASM = tl.constexpr("""{
+.reg .b32 b, c, d<7>;
+and.b32 $0, $4, 0x81C081C0;
+shl.b32 b, $4, 3;
+and.b32 $1, b, 0x81C081C0;
+shl.b32 c, $4, 6;
+and.b32 $2, c, 0x81C081C0;
+shl.b32 d0, $4, 1;
+and.b32 d1, d0, 0x80008000;
+shr.b32 d2, $4, 3;
+and.b32 d3, d2, 0x01800180;
+or.b32 d4, d1, d3;
+shr.b32 d5, $4, 7;
+and.b32 d6, d5, 0x00400040;
+or.b32 $3, d4, d6;
+}""")
+
+# v * f1 * f2 over bf16x2 pairs (two packed multiplications, rounded in that order)
+_BF16X2_MUL2_ASM = tl.constexpr("""{
+.reg .b32 t;
+mul.rn.bf16x2 t, $1, $2;
+mul.rn.bf16x2 $0, t, $3;
+}""")
+
+
+@triton.jit
+def _mma_words_f32(p, R: tl.constexpr, W: tl.constexpr):
+    """The interpreter's form of _MXFP4_MMA_WORD_ASM: [R, 4W] bytes -> [R, 8W] float32 values of
+    the codes times 2^-126, in the asm's output order."""
+    b = tl.reshape(p.to(tl.uint32), (R, W, 4))
+    x = tl.sum(b << (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, :], axis=2)
+    m = 0x81C081C0
+    q0 = x & m
+    q1 = (x << 3) & m
+    q2 = (x << 6) & m
+    q3 = ((x << 1) & 0x80008000) | ((x >> 3) & 0x01800180) | ((x >> 7) & 0x00400040)
+    q = tl.permute(tl.join(tl.join(q0, q1), tl.join(q2, q3)), (0, 1, 3, 2))   # [R, W, j, i]
+    lo = (q << 16).to(tl.float32, bitcast=True)
+    hi = ((q >> 16) << 16).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (R, 8 * W))
+
+
+@triton.jit
+def mxfp4_mma_tile(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """[BN, BLOCK_K] values of a weight tile in the mma layout (moe_ops.mxfp4_layout):
+    p [BN // 4, 2 * BLOCK_K] its storage bytes (each row four tile rows of one 16-row group, each
+    128-byte chunk 64 values), sc [BN, BLOCK_K // 32] the e8m0 bytes. ASM (GPU, bfloat16): the
+    words decoded by shifts and masks in inline PTX and scaled by two packed multiplications,
+    the same values and roundings as mxfp4_tile_asm; else float32 arithmetic (the interpreter).
+    The reshape and permutation that restore the tile order move no data when each thread's
+    loaded bytes are its MMA operand registers, which the layout is made for."""
+    R: tl.constexpr = BN // 4
+    if ASM:
+        r0, r1 = tl.inline_asm_elementwise(_MXFP4_MMA_WORD_ASM, "=r,=r,=r,=r,r", [p],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                           pack=4)
+        u = tl.permute(tl.reshape(tl.join(r0, r1), (R, BLOCK_K // 2, 4, 2)), (0, 1, 3, 2))
+        u = tl.reshape(u, (R, 4 * BLOCK_K))
+    else:
+        u = _mma_words_f32(p, R, BLOCK_K // 2) * 8.507059173023462e37   # 2^126
+    # storage (a, b | c, d, e, f, g, h) -> tile rows (a, g, b, d), values (c, f, e, h)
+    u = tl.reshape(u, (BN // 16, 4, BLOCK_K // 64, 2, 4, 8, 2, 2))
+    v = tl.reshape(tl.permute(u, (0, 6, 1, 3, 2, 5, 4, 7)), (BN, BLOCK_K))
+    if ASM:
+        s16 = sc.to(tl.int16)
+        f1 = ((tl.minimum(s16, 128) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        f2 = tl.where(s16 == 255, 0x7F80, (tl.maximum(s16, 128) - 1) << 7).to(tl.int16)
+        f2 = f2.to(tl.bfloat16, bitcast=True)
+        f1 = tl.reshape(tl.broadcast_to(f1[:, :, None], (BN, BLOCK_K // 32, 32)), (BN, BLOCK_K))
+        f2 = tl.reshape(tl.broadcast_to(f2[:, :, None], (BN, BLOCK_K // 32, 32)), (BN, BLOCK_K))
+        v = tl.inline_asm_elementwise(_BF16X2_MUL2_ASM, "=r,r,r,r", [v, f1, f2],
+                                      dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        v = tl.reshape(tl.reshape(v, (BN, BLOCK_K // 32, 32)) * e8m0_decode(sc)[:, :, None],
+                       (BN, BLOCK_K))
+    return v
+
+
 @triton.jit
 def quantize_rows(a, EMULATE: tl.constexpr):
     """(q, scale) of a float32 [M, BLOCK_K] tile quantized per row (one bk group): amax over
@@ -272,7 +353,7 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
                 WFMT: tl.constexpr, QUANT_A: tl.constexpr, EMULATE: tl.constexpr,
                 BLOCK_K: tl.constexpr, SCALAR_SCALE: tl.constexpr = False,
                 BIT_DECODE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
-                EVEN_K: tl.constexpr = False, sc=0):
+                EVEN_K: tl.constexpr = False, sc=0, MMA_LAYOUT: tl.constexpr = False):
     """(b [BLOCK_K, BLOCK_N], per-column scale [BLOCK_N] float32) of reduction columns
     k0..k0+BLOCK_K of the weight rows starting at the pointers `w_rows` (masked by wmask), whose
     scales start at `s_rows` (FP8: the row's [bn, bk] block row; MXFP4: the row's scales). FP8:
@@ -281,7 +362,9 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
     pointer and the scale a scalar); MXFP4: b the decoded tile in OP_DTYPE (scales applied;
     BIT_DECODE: by mxfp4_tile_bits), the column scale 1; SWAP_AB (MXFP4): b is returned as
     [BLOCK_N, BLOCK_K], the left operand of the transposed product (mma_step). `sc`
-    (FP8, MXFP4): the step's weight scales, loaded by the caller (step_scales)."""
+    (FP8, MXFP4): the step's weight scales, loaded by the caller (step_scales). MMA_LAYOUT
+    (MXFP4, SWAP_AB, contiguous weights in moe_ops.mxfp4_layout's order): `w_rows` are the
+    BN // 4 storage rows of the tile (mma_rows) and wmask theirs; decoded by mxfp4_mma_tile."""
     if WFMT == 1:
         offs_k = tl.arange(0, BLOCK_K)
         k_mask = k_in_range(offs_k, K - k0, EVEN_K)
@@ -296,6 +379,17 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
             b = e4m3_decode(b)
         elif not QUANT_A:
             b = b.to(OP_DTYPE)
+    elif WFMT == 2 and MMA_LAYOUT:
+        # [BN // 4, 2 * BLOCK_K] storage bytes (128 per 64 values) -> [BN, BLOCK_K] values
+        BN4: tl.constexpr = w_rows.shape[0]
+        offs_c = tl.arange(0, 2 * BLOCK_K)
+        c_mask = k_in_range((offs_c // 128) * 64, K - k0, EVEN_K)
+        p = tl.load(w_rows[:, None] + (2 * k0 + offs_c)[None, :],
+                    mask=wmask[:, None] & c_mask[None, :], other=0)
+        b = mxfp4_mma_tile(p, sc, 4 * BN4, BLOCK_K, BIT_DECODE == 2).to(OP_DTYPE)
+        if not SWAP_AB:
+            b = tl.trans(b)
+        scale = tl.full((4 * BN4,), 1.0, tl.float32)
     elif WFMT == 2:
         # [BN, BLOCK_K // 2] packed bytes -> [BN, BLOCK_K] values, low nibble first
         BN: tl.constexpr = w_rows.shape[0]
@@ -410,6 +504,16 @@ def load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A: tl.constexpr, SCALE_ROWS: tl.
 
 
 @triton.jit
+def mma_rows(w_e, row0, offs_j, n_valid, stride_wn):
+    """(pointers, mask) of the storage rows offs_j of the mma-layout tile whose first logical row
+    is row0 (a multiple of 16; moe_ops.mxfp4_layout: storage row row0 / 4 + j holds four rows of
+    the 16-row group j // 4, 4 * stride_wn bytes each); a group is valid when its first row is
+    below row0 + n_valid."""
+    rows = (row0 // 4 + offs_j).to(tl.int64)
+    return w_e + rows * (4 * stride_wn), (offs_j // 4) * 16 < n_valid
+
+
+@triton.jit
 def _rows(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr, stride_ik, n_experts,
           BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
     """(expert, rows, slots, row_valid) of row block pid_m (expert_gemm.row_block: the
@@ -435,9 +539,11 @@ def quant_gate_up_kernel(
     BIT_DECODE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
     ACT_F32: tl.constexpr = False, EVEN_K: tl.constexpr = False,
     PREFETCH_SCALES: tl.constexpr = False, STACK_GU: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, MMA_LAYOUT: tl.constexpr = False,
 ):
-    """STACK_GU (MXFP4 with SWAP_AB): the tile's gate and up rows are one [2 * BLOCK_N,
+    """MMA_LAYOUT (MXFP4 with SWAP_AB; with INTERLEAVED only stacked): w13 in
+    moe_ops.mxfp4_layout's order, each tile read by storage rows (mma_rows).
+    STACK_GU (MXFP4 with SWAP_AB): the tile's gate and up rows are one [2 * BLOCK_N,
     BLOCK_K] decoded tile (with gate_up_interleaved, 2 * BLOCK_N consecutive rows of w13) and
     one MMA chain per K step instead of two; the accumulator is split back into gate and up
     before the epilogue. Each output element is the same sum over the same K steps.
@@ -503,6 +609,23 @@ def quant_gate_up_kernel(
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    g_wm = g_mask   # the weight loads' masks (the storage rows' with MMA_LAYOUT)
+    u_wm = n_mask
+    if MMA_LAYOUT:
+        n0 = pid_n * BLOCK_N
+        if STACK_GU:
+            offs_q = tl.arange(0, BLOCK_N // 2)
+            if INTERLEAVED:   # 2 * BLOCK_N consecutive rows
+                g_w, g_wm = mma_rows(w_e, 2 * n0, offs_q, 2 * (I - n0), stride_wn)
+            else:   # the gate slab's storage rows, then the up slab's
+                q = offs_q % (BLOCK_N // 4)
+                srow = tl.where(offs_q >= BLOCK_N // 4, (I + n0) // 4, n0 // 4) + q
+                g_w = w_e + srow.to(tl.int64) * (4 * stride_wn)
+                g_wm = (q // 4) * 16 < I - n0
+        else:
+            offs_q = tl.arange(0, BLOCK_N // 4)
+            g_w, g_wm = mma_rows(w_e, n0, offs_q, I - n0, stride_wn)
+            u_w, u_wm = mma_rows(w_e, I + n0, offs_q, I - n0, stride_wn)
     # the weight scales (and W8A8's activation scales) of each K step, loaded one step ahead
     # with PREFETCH_SCALES (step_scales)
     sc_g = 0
@@ -532,15 +655,15 @@ def quant_gate_up_kernel(
         else:
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A, WEIGHTS_ON_INPUT,
                                 OP_DTYPE, EMULATE)
-        bg, sg = weight_tile(g_w, g_s, g_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
+        bg, sg = weight_tile(g_w, g_s, g_wm, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
                              QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K,
-                             sc_g_now)
+                             sc_g_now, MMA_LAYOUT)
         acc_g = mma_step(acc_g, a, a_scale, bg, sg, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
                          SWAP_AB)
         if not STACK_GU:
-            bu, su = weight_tile(u_w, u_s, n_mask, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
+            bu, su = weight_tile(u_w, u_s, u_wm, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
                                  QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,
-                                 EVEN_K, sc_u_now)
+                                 EVEN_K, sc_u_now, MMA_LAYOUT)
             acc_u = mma_step(acc_u, a, a_scale, bu, su, WFMT, QUANT_A, DOT_PRECISION,
                              SCALAR_SCALE, SWAP_AB)
         a_ptrs += BLOCK_K * stride_xh
@@ -585,9 +708,10 @@ def quant_down_kernel(
     SCALAR_SCALE: tl.constexpr = False, BIT_DECODE: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False, QUANT_GATHER: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, PREFETCH_SCALES: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, MMA_LAYOUT: tl.constexpr = False,
 ):
-    """QUANT_GATHER (W8A8): act is the gate+up kernel's float32 output (ACT_F32), quantized
+    """MMA_LAYOUT: as quant_gate_up_kernel's (w2 in moe_ops.mxfp4_layout's order).
+    QUANT_GATHER (W8A8): act is the gate+up kernel's float32 output (ACT_F32), quantized
     here per row and bk columns (BLOCK_K == bk) by the epilogue's arithmetic: the same e4m3
     values and scales, computed once per N tile instead of once per row. USE_PDL: as
     quant_gate_up_kernel's."""
@@ -616,6 +740,10 @@ def quant_down_kernel(
         s_n = s_ptr + e * stride_se + (offs_n64 // scale_bn) * stride_sn
     else:
         s_n = s_ptr + e * stride_se + offs_n64 * stride_sn
+    w_m = n_mask   # the weight loads' pointers and mask: the storage rows' with MMA_LAYOUT
+    if MMA_LAYOUT:
+        w_n, w_m = mma_rows(w_ptr + e * stride_we, pid_n * BLOCK_N, tl.arange(0, BLOCK_N // 4),
+                            H - pid_n * BLOCK_N, stride_wn)
     # each K step's scales, one step ahead with PREFETCH_SCALES (step_scales)
     sc = 0
     xs = 0
@@ -640,9 +768,9 @@ def quant_down_kernel(
                                        BLOCK_K, False)
         else:
             a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, False, False, OP_DTYPE, EMULATE)
-        b, sb = weight_tile(w_n, s_n, n_mask, k0, I, stride_wk, stride_sk, OP_DTYPE, WFMT,
+        b, sb = weight_tile(w_n, s_n, w_m, k0, I, stride_wk, stride_sk, OP_DTYPE, WFMT,
                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K,
-                            sc_now)
+                            sc_now, MMA_LAYOUT)
         acc = mma_step(acc, a, a_scale, b, sb, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
                        SWAP_AB)
         a_ptrs += BLOCK_K

@@ -6,7 +6,7 @@ dequantized weight is ever materialised: tiles are decoded in registers. Nothing
 host."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton.language as tl
@@ -84,6 +84,19 @@ class QuantDispatchConfig:
     # MXFP4 gpt-oss-20b T=1 75.8 -> 79.7 us (0.95x), T=8..2048 1.00x: the MXFP4 heuristics
     # turn it off
     dependent_launch: bool = True
+
+
+def _check_mma_layout(fmt, H, I, w13, w2):
+    """The mma layout's requirements (moe_ops.mxfp4_layout), each naming its argument."""
+    if fmt != "mxfp4":
+        raise ValueError(f"mxfp4_layout='mma' needs MXFP4 (uint8) weights, got {w13.dtype}")
+    if H % 64 or I % 64:
+        raise ValueError(f"mxfp4_layout='mma' needs H and I multiples of 64, got H={H}, I={I}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.stride(2) != 1 or w.stride(1) != w.shape[2]:
+            raise ValueError(f"{name}: the mma layout is read as contiguous [N, K // 2] rows per "
+                             f"expert (moe_ops.mxfp4_layout.swizzle_mxfp4's output), got "
+                             f"strides {tuple(w.stride())}")
 
 
 def has_dot_scaled() -> bool:
@@ -179,12 +192,14 @@ def _interpreted(device: torch.device) -> bool:
 def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="silu",
                        w13_bias=None, w2_bias=None, alpha=1.702, limit=7.0,
                        gate_up_interleaved=False, weights_on_input=False, w13_scale=None,
-                       w2_scale=None, block_shape=None, quantize_activations=True, config=None,
-                       out=None, check=True):
+                       w2_scale=None, block_shape=None, quantize_activations=True,
+                       mxfp4_layout="plain", config=None, out=None, check=True):
     """moe.dispatch's output [T, H] (hidden's dtype) with FP8 block-scaled or MXFP4 w13/w2 (the
     semantics of moe.dispatch's extended schema). CUDA tensors run the compiled kernels, CPU
     tensors Triton's interpreter (the EMULATE form of the kernels). `out` (tests poison it):
-    a fresh [T, H] buffer."""
+    a fresh [T, H] buffer. mxfp4_layout "mma": MXFP4 w13/w2 in moe_ops.mxfp4_layout's order
+    (contiguous per expert; H and I multiples of 64), read by the kernels' MMA_LAYOUT path (the
+    products transposed, interleaved gate/up rows stacked, 64-value multiples per K step)."""
     if check:
         fmt, H, I, bn, bk = check_quantized_dispatch(
             hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
@@ -218,6 +233,17 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         raise ValueError(f"config.block_n1 must equal bk = {bk} for W8A8 (the gate+up tile is "
                          f"one activation group of the down GEMM) unless act_quant_in_down, "
                          f"got {cfg.block_n1}")
+    mma = mxfp4_layout == "mma"
+    if mma:
+        _check_mma_layout(fmt, H, I, w13, w2)
+        # the layout's path: transposed products (the decoded tile is the MMA's register
+        # operand), interleaved gate/up rows as one stacked tile, whole 64-value chunks per step
+        cfg = replace(cfg, mxfp4_swap_ab=True, mxfp4_dot_scaled=False,
+                      mxfp4_stacked_gate_up=cfg.mxfp4_stacked_gate_up or gate_up_interleaved,
+                      block_k=max(64, cfg.block_k))
+        if cfg.block_k % 64 or cfg.block_n1 % 16 or cfg.block_n2 % 16:
+            raise ValueError(f"config: the mma layout needs block_k % 64 == 0 and block_n1, "
+                             f"block_n2 multiples of 16, got {cfg}")
     if fmt == "mxfp4" and cfg.block_k % 32:
         raise ValueError(f"config.block_k must be a multiple of 32 for MXFP4, got {cfg.block_k}")
     # dot_scaled: GPU with 16-bit activations, or the interpreter with float16 ones (its bf16
@@ -228,7 +254,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     wfmt = 1 if fmt == "fp8" else 3 if scaled else 2
     # Fast launch (moe_ops.launch.fast): every argument of this call's launches is a function
     # of these and of the buffers allocated below (their alignment: launch_key).
-    key = (cfg, fmt, bn, bk, quant_a, scaled, activation, float(alpha), float(limit),
+    key = (cfg, fmt, bn, bk, quant_a, scaled, mma, activation, float(alpha), float(limit),
            bool(gate_up_interleaved), bool(weights_on_input), tensor_key(hidden),
            tensor_key(w13), tensor_key(w2), optional_tensor_key(w13_scale),
            optional_tensor_key(w2_scale), tensor_key(topk_weights), tensor_key(topk_ids),
@@ -302,7 +328,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         HAS_BIAS=w13_bias is not None, WEIGHTS_ON_INPUT=bool(weights_on_input),
         BLOCK_N=cfg.block_n1, A_PREQUANT=prequant, SCALAR_SCALE=scalar13, ACT_F32=act_f32,
         EVEN_K=H % cfg.block_k == 0,
-        STACK_GU=bool(common["SWAP_AB"] and cfg.mxfp4_stacked_gate_up),
+        STACK_GU=bool(common["SWAP_AB"] and cfg.mxfp4_stacked_gate_up), MMA_LAYOUT=mma,
         **common,
     )
     fk = launch_key(key and (key, "down"), *bufs)
@@ -315,7 +341,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         act_scale, act_scale.stride(0), *rows_args.values(),
         HAS_BIAS=w2_bias is not None, HAS_WEIGHTS=not weights_on_input,
         BLOCK_N=cfg.block_n2, SCALAR_SCALE=scalar2, QUANT_GATHER=act_f32,
-        EVEN_K=I % cfg.block_k == 0,
+        EVEN_K=I % cfg.block_k == 0, MMA_LAYOUT=mma,
         **common,
     )
     if inter != out.dtype:

@@ -3,11 +3,13 @@
 `import moe_ops` registers torch.ops.moe.route and torch.ops.moe.dispatch, and the transformers
 experts implementation "moe_ops" when transformers is installed."""
 from moe_ops._runtime import set_recompute
+from moe_ops.mxfp4_layout import swizzle_mxfp4, unswizzle_mxfp4
 from moe_ops.ops.dispatch import dispatch
 from moe_ops.ops.routing import route
 
 __version__ = "0.1.0"
-__all__ = ["dispatch", "route", "set_recompute", "__version__"]
+__all__ = ["dispatch", "route", "set_recompute", "swizzle_mxfp4", "unswizzle_mxfp4",
+           "__version__"]
 
 
 def _register_integrations():

@@ -538,11 +538,20 @@ def test_hf_mxfp4_attach(interpreter):
     experts.alpha, experts.limit = 1.702, 7.0
     experts.gate_up_proj_bias = torch.nn.Parameter(torch.randn(E, 2 * I, generator=g) * 0.1)
     experts.down_proj_bias = torch.nn.Parameter(torch.randn(E, H, generator=g) * 0.1)
-    attach_mxfp4(experts, blocks13, scales13, blocks2, scales2)
     x = torch.randn(T, H, generator=g)
     w, ids = torch.rand(T, E, generator=g).softmax(-1).topk(K, -1)
-    with torch.no_grad():
-        out = mxfp4_experts_forward(experts, x, ids, w)
+    outs = []
+    for layout in ("plain", "mma", "auto"):
+        attach_mxfp4(experts, blocks13, scales13, blocks2, scales2, layout=layout)
+        # ("auto" on CPU tensors keeps the views)
+        assert experts.moe_ops_mxfp4_layout == ("plain" if layout == "auto" else layout)
+        with torch.no_grad():
+            outs.append(mxfp4_experts_forward(experts, x, ids, w))
+    out = outs[0]
+    # (the interpreter's mma path runs 64-value K steps: float32 sums in another order)
+    assert rel_err(outs[1], out.double()) < 1e-6 and torch.equal(outs[2], out)
+    with pytest.raises(ValueError, match="layout"):
+        attach_mxfp4(experts, blocks13, scales13, blocks2, scales2, layout="swizzled")
     # GptOssExperts: gate_up_proj [E, H, 2I] (dequantized, transposed), gate = [..., ::2]
     gu = mx.convert_moe_packed_tensors(blocks13, scales13, dtype=torch.float32).double()
     dn = mx.convert_moe_packed_tensors(blocks2, scales2, dtype=torch.float32).double()
@@ -1013,3 +1022,42 @@ def test_mxfp4_mma_layout_errors(interpreter):
     fa, fkw = fp8_inputs(2, 128, 64, 4, 2)
     with pytest.raises(ValueError, match="MXFP4"):
         dispatch_quantized(*fa, **fkw, mxfp4_layout="mma")
+
+
+@pytest.mark.parametrize("path", ["reference", "interpreter"])
+def test_op_mxfp4_mma_layout(request, path):
+    """moe.dispatch(mxfp4_layout="mma") on swizzled blocks: the plain layout's result through the
+    op (CPU reference and interpreter), gradients for hidden through the frozen swizzled experts,
+    fake tensors, and the argument's errors."""
+    request.getfixturevalue("reference_path" if path == "reference" else "interpreter")
+    args, kw, biases = mxfp4_inputs(3, 128, 64, 4, 2, routing="negative")
+    kw = dict(kw, activation="swiglu_oai", gate_up_interleaved=True, **biases)
+    mma = (args[0], moe_ops.swizzle_mxfp4(args[1]), moe_ops.swizzle_mxfp4(args[2]), *args[3:])
+    plain = moe_ops.dispatch(*args, **kw)
+    out = moe_ops.dispatch(*mma, **kw, mxfp4_layout="mma")
+    assert rel_err(out, plain.double()) < 1e-6
+    assert rel_err(out, quantized_dispatch_reference(*args, **kw)) < 1e-5
+    if path == "reference":
+        h = args[0].clone().requires_grad_(True)
+        gm, = torch.autograd.grad(moe_ops.dispatch(h, *mma[1:], **kw, mxfp4_layout="mma").sum(),
+                                  h)
+        gp, = torch.autograd.grad(moe_ops.dispatch(h, *args[1:], **kw).sum(), h)
+        assert rel_err(gm, gp.double()) < 1e-6
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as mode:
+            fa = [mode.from_tensor(a) for a in mma]
+            fk = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                  for k, v in kw.items()}
+            assert torch.ops.moe.dispatch(*fa, **fk, mxfp4_layout="mma").shape == args[0].shape
+    with pytest.raises(ValueError, match="mxfp4_layout"):
+        moe_ops.dispatch(*mma, **kw, mxfp4_layout="hopper")
+    with pytest.raises(TypeError, match="mxfp4_layout"):
+        moe_ops.dispatch(*mma, **kw, mxfp4_layout=1)
+    with pytest.raises(ValueError, match="mxfp4_layout"):
+        hf = args[0].float()
+        moe_ops.dispatch(hf, torch.zeros(4, 128, 128), torch.zeros(4, 128, 64), *args[3:],
+                         mxfp4_layout="mma")
+    fa, fkw = fp8_inputs(2, 128, 64, 4, 2)
+    with pytest.raises(ValueError, match="mxfp4_layout='mma' applies to MXFP4"):
+        moe_ops.dispatch(*fa, **fkw, mxfp4_layout="mma")

@@ -33,7 +33,7 @@ class TestSchemas(TestCase):
     def test_public_schemas(self):
         s = python_schemas()
         self.assertExpectedInline(s["route"], """moe::route(Tensor router_logits, int top_k, str scoring="softmax", bool renormalize=True, Tensor? bias=None, int num_groups=1, int topk_groups=1, float scale=1.) -> (Tensor topk_weights, Tensor topk_ids)""")
-        self.assertExpectedInline(s["dispatch"], """moe::dispatch(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, str activation="silu", Tensor? w13_bias=None, Tensor? w2_bias=None, float alpha=1.702, float limit=7., bool gate_up_interleaved=False, bool weights_on_input=False, Tensor? w13_scale=None, Tensor? w2_scale=None, int[]? block_shape=None, bool quantize_activations=True, Tensor? w3=None) -> Tensor""")
+        self.assertExpectedInline(s["dispatch"], """moe::dispatch(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, str activation="silu", Tensor? w13_bias=None, Tensor? w2_bias=None, float alpha=1.702, float limit=7., bool gate_up_interleaved=False, bool weights_on_input=False, Tensor? w13_scale=None, Tensor? w2_scale=None, int[]? block_shape=None, bool quantize_activations=True, Tensor? w3=None, str mxfp4_layout="plain") -> Tensor""")
 
     def test_stubs_match_python(self):
         stubs = stub_schemas()

@@ -137,15 +137,30 @@ def register_fp8_experts_interface() -> bool:
     return True
 
 
-def attach_mxfp4(experts, gate_up_blocks, gate_up_scales, down_blocks, down_scales):
+def attach_mxfp4(experts, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
+                 layout="plain"):
     """Keeps gpt-oss's raw MXFP4 tensors on its experts module (`*_blocks` [E, N, K/32, 16]
     uint8 as in the checkpoint, or already [E, N, K/2]; `*_scales` [E, N, K/32] uint8 e8m0), as
     views: gate_up rows are the checkpoint's (gate and up interleaved), packed along H; down
-    rows are H, packed along I."""
+    rows are H, packed along I. layout "mma": swizzle_mxfp4 copies of the blocks instead (the
+    decode kernels' faster byte order; moe.dispatch's mxfp4_layout="mma"); "auto": "mma" for
+    CUDA tensors on sm_90+ whose H and I are multiples of 64, else "plain"."""
+    from moe_ops.mxfp4_layout import swizzle_mxfp4
+
     def flat(b):
         return b.reshape(b.shape[0], b.shape[1], -1) if b.dim() == 4 else b
 
-    experts.moe_ops_mxfp4 = (flat(gate_up_blocks), gate_up_scales, flat(down_blocks), down_scales)
+    b13, b2 = flat(gate_up_blocks), flat(down_blocks)
+    if layout not in ("plain", "mma", "auto"):
+        raise ValueError(f"layout must be 'plain', 'mma' or 'auto', got {layout!r}")
+    if layout == "auto":
+        H, I = 2 * b13.shape[2], 2 * b2.shape[2]
+        hopper = b13.is_cuda and torch.cuda.get_device_capability(b13.device) >= (9, 0)
+        layout = "mma" if hopper and H % 64 == 0 and I % 64 == 0 else "plain"
+    if layout == "mma":
+        b13, b2 = swizzle_mxfp4(b13), swizzle_mxfp4(b2)
+    experts.moe_ops_mxfp4 = (b13, gate_up_scales, b2, down_scales)
+    experts.moe_ops_mxfp4_layout = layout
     return experts
 
 
@@ -163,7 +178,8 @@ def mxfp4_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     kw = dict(w13_scale=s13, w2_scale=s2, activation="swiglu_oai", gate_up_interleaved=True,
               alpha=float(getattr(self, "alpha", 1.702)), limit=float(getattr(self, "limit", 7.0)),
               w13_bias=getattr(self, "gate_up_proj_bias", None),
-              w2_bias=getattr(self, "down_proj_bias", None))
+              w2_bias=getattr(self, "down_proj_bias", None),
+              mxfp4_layout=getattr(self, "moe_ops_mxfp4_layout", "plain"))
     return _dispatch(self, b13, b2, hidden_states, top_k_index, top_k_weights, kw)
 
 

@@ -86,19 +86,6 @@ class QuantDispatchConfig:
     dependent_launch: bool = True
 
 
-def _check_mma_layout(fmt, H, I, w13, w2):
-    """The mma layout's requirements (moe_ops.mxfp4_layout), each naming its argument."""
-    if fmt != "mxfp4":
-        raise ValueError(f"mxfp4_layout='mma' needs MXFP4 (uint8) weights, got {w13.dtype}")
-    if H % 64 or I % 64:
-        raise ValueError(f"mxfp4_layout='mma' needs H and I multiples of 64, got H={H}, I={I}")
-    for name, w in (("w13", w13), ("w2", w2)):
-        if w.stride(2) != 1 or w.stride(1) != w.shape[2]:
-            raise ValueError(f"{name}: the mma layout is read as contiguous [N, K // 2] rows per "
-                             f"expert (moe_ops.mxfp4_layout.swizzle_mxfp4's output), got "
-                             f"strides {tuple(w.stride())}")
-
-
 def has_dot_scaled() -> bool:
     """Whether this Triton has tl.dot_scaled with an e2m1 right operand and a bf16/fp16 left one
     (3.6 and 3.9 do: both compile it for sm_90 to bf16 wgmma); moe_ops._features decides."""
@@ -204,7 +191,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         fmt, H, I, bn, bk = check_quantized_dispatch(
             hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
             gate_up_interleaved, weights_on_input, w13_scale, w2_scale, block_shape,
-            quantize_activations)
+            quantize_activations, mxfp4_layout)
     else:
         from moe_ops.ops.quant_checks import normalize_block_shape
         from moe_ops.reference.quant import weight_format
@@ -235,7 +222,6 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
                          f"got {cfg.block_n1}")
     mma = mxfp4_layout == "mma"
     if mma:
-        _check_mma_layout(fmt, H, I, w13, w2)
         # the layout's path: transposed products (the decoded tile is the MMA's register
         # operand), interleaved gate/up rows as one stacked tile, whole 64-value chunks per step
         cfg = replace(cfg, mxfp4_swap_ab=True, mxfp4_dot_scaled=False,

@@ -6,7 +6,7 @@ import math
 import torch
 
 from moe_ops._runtime import checks_enabled
-from moe_ops.ops.quant_checks import check_quantized_dispatch
+from moe_ops.ops.quant_checks import MXFP4_LAYOUTS, check_quantized_dispatch
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -88,9 +88,16 @@ def _is_float(x) -> bool:
 
 def check_variant_types(activation="silu", w13_bias=None, w2_bias=None, alpha=1.702, limit=7.0,
                         gate_up_interleaved=False, weights_on_input=False, w13_scale=None,
-                        w2_scale=None, block_shape=None, quantize_activations=True, w3=None):
+                        w2_scale=None, block_shape=None, quantize_activations=True, w3=None,
+                        mxfp4_layout="plain"):
     """The variant arguments' Python types (the dispatcher would raise a RuntimeError without
     the argument's name) and values that need no tensor."""
+    if not isinstance(mxfp4_layout, str):
+        raise TypeError(f"mxfp4_layout must be a str ('plain' or 'mma'), got "
+                        f"{type(mxfp4_layout).__name__}")
+    if mxfp4_layout not in MXFP4_LAYOUTS:
+        raise ValueError(f"mxfp4_layout must be 'plain' (transformers' blocks) or 'mma' "
+                         f"(moe_ops.swizzle_mxfp4's order), got {mxfp4_layout!r}")
     if not isinstance(activation, str):
         raise TypeError(f"activation must be a str (one of {', '.join(ACTIVATIONS)}), "
                         f"got {type(activation).__name__}")
@@ -145,7 +152,7 @@ def _check_bias(name, b, shape, what, hidden):
 def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation="silu", w13_bias=None,
                    w2_bias=None, alpha=1.702, limit=7.0, gate_up_interleaved=False,
                    weights_on_input=False, w13_scale=None, w2_scale=None, block_shape=None,
-                   quantize_activations=True, w3=None):
+                   quantize_activations=True, w3=None, mxfp4_layout="plain"):
     for name, x in (("hidden", hidden), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights),
                     ("topk_ids", topk_ids)):
         _tensor(name, x)
@@ -156,7 +163,7 @@ def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation="silu", w
     _rank("topk_ids", topk_ids, 2, "[T, K]")
     check_variant_types(activation, w13_bias, w2_bias, alpha, limit, gate_up_interleaved,
                         weights_on_input, w13_scale, w2_scale, block_shape, quantize_activations,
-                        w3)
+                        w3, mxfp4_layout)
     if w3 is not None:
         _rank("w3", w3, 3, "[E, I, H] (the up projection)")
         if gate_up_interleaved:
@@ -175,10 +182,13 @@ def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation="silu", w
     if w13.dtype in QUANTIZED_DTYPES or w2.dtype in QUANTIZED_DTYPES:
         check_quantized_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias,
                                  w2_bias, gate_up_interleaved, weights_on_input, w13_scale,
-                                 w2_scale, block_shape, quantize_activations)
+                                 w2_scale, block_shape, quantize_activations, mxfp4_layout)
         check_weight_layout("w13", w13)
         check_weight_layout("w2", w2)
         return
+    if mxfp4_layout != "plain":
+        raise ValueError(f"mxfp4_layout={mxfp4_layout!r} applies to MXFP4 (uint8) weights only, "
+                         f"got {str(w13.dtype).replace('torch.', '')} weights")
     check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     dev = hidden.device.type
     if not _dtypes_ok(hidden.dtype, dev):

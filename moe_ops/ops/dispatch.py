@@ -25,7 +25,7 @@ VARIANT_ARGS = (
     'str activation="silu", Tensor? w13_bias=None, Tensor? w2_bias=None, float alpha=1.702, '
     "float limit=7.0, bool gate_up_interleaved=False, bool weights_on_input=False, "
     "Tensor? w13_scale=None, Tensor? w2_scale=None, int[]? block_shape=None, "
-    "bool quantize_activations=True, Tensor? w3=None"
+    'bool quantize_activations=True, Tensor? w3=None, str mxfp4_layout="plain"'
 )
 # The internal backward ops also return the bias gradients ([E, 2I] and [E, H]) and the up
 # weight's ([E, I, H], w3's strides) where the forward got that tensor, else an empty tensor.
@@ -55,13 +55,15 @@ DISPATCH_BACKWARD_SAVED = define(DISPATCH_BACKWARD_SAVED_SCHEMA)
 
 def variant_args(activation="silu", w13_bias=None, w2_bias=None, alpha=1.702, limit=7.0,
                  gate_up_interleaved=False, weights_on_input=False, w13_scale=None,
-                 w2_scale=None, block_shape=None, quantize_activations=True, w3=None) -> dict:
+                 w2_scale=None, block_shape=None, quantize_activations=True, w3=None,
+                 mxfp4_layout="plain") -> dict:
     """The variant arguments of the dispatch ops (after topk_ids), by name, with the schema's
     defaults: the kernels below take them positionally or by keyword."""
     return dict(activation=activation, w13_bias=w13_bias, w2_bias=w2_bias, alpha=alpha,
                 limit=limit, gate_up_interleaved=gate_up_interleaved,
                 weights_on_input=weights_on_input, w13_scale=w13_scale, w2_scale=w2_scale,
-                block_shape=block_shape, quantize_activations=quantize_activations, w3=w3)
+                block_shape=block_shape, quantize_activations=quantize_activations, w3=w3,
+                mxfp4_layout=mxfp4_layout)
 
 
 VARIANT_NAMES = tuple(variant_args())
@@ -361,13 +363,15 @@ def dispatch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
              alpha: float = 1.702, limit: float = 7.0, gate_up_interleaved: bool = False,
              weights_on_input: bool = False, w13_scale: torch.Tensor | None = None,
              w2_scale: torch.Tensor | None = None, block_shape: list[int] | None = None,
-             quantize_activations: bool = True, w3: torch.Tensor | None = None):
+             quantize_activations: bool = True, w3: torch.Tensor | None = None,
+             mxfp4_layout: str = "plain"):
     """Python entry point of `torch.ops.moe.dispatch` (the variant arguments by keyword; their
     meaning: docs/contract.md). Argument types are checked here too: a wrongly typed argument
     given to torch.ops.moe.dispatch itself fails in the dispatcher with a RuntimeError."""
     check_tensor_args(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     v = variant_args(activation, w13_bias, w2_bias, alpha, limit, gate_up_interleaved,
-                     weights_on_input, w13_scale, w2_scale, block_shape, quantize_activations, w3)
+                     weights_on_input, w13_scale, w2_scale, block_shape, quantize_activations, w3,
+                     mxfp4_layout)
     check_variant_types(**v)
     # (a sparse weight never reaches the op's kernels: the dispatcher has none for its layout)
     check_weight_layout("w13", w13)

@@ -9,6 +9,7 @@ from moe_ops.reference.quant import DEFAULT_BLOCK_SHAPE, weight_format
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_oai")
 QUANT_HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MXFP4_GROUP = 32   # e2m1 values per e8m0 scale
+MXFP4_LAYOUTS = ("plain", "mma")   # moe.dispatch's mxfp4_layout (moe_ops.mxfp4_layout)
 
 
 def _same_device(**tensors):
@@ -61,9 +62,13 @@ def normalize_block_shape(block_shape) -> tuple[int, int]:
 def check_quantized_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation="silu",
                              w13_bias=None, w2_bias=None, gate_up_interleaved=False,
                              weights_on_input=False, w13_scale=None, w2_scale=None,
-                             block_shape=None, quantize_activations=True):
+                             block_shape=None, quantize_activations=True,
+                             mxfp4_layout="plain"):
     """Checks moe.dispatch's arguments when w13/w2 are quantized; returns (format, H, I, bn, bk)
     with format 'fp8' or 'mxfp4' (bn, bk: the FP8 block shape; for MXFP4, (1, 32))."""
+    if mxfp4_layout not in MXFP4_LAYOUTS:
+        raise ValueError(f"mxfp4_layout must be 'plain' (transformers' blocks) or 'mma' "
+                         f"(moe_ops.swizzle_mxfp4's order), got {mxfp4_layout!r}")
     for name, x in (("hidden", hidden), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights),
                     ("topk_ids", topk_ids)):
         if not isinstance(x, torch.Tensor):
@@ -122,6 +127,8 @@ def check_quantized_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation
         _shape("w2", w2, (E, H, I // 2), "[E, H, I/2] (MXFP4 blocks)")
         _shape("w13_scale", w13_scale, (E, 2 * I, H // MXFP4_GROUP), "[E, 2I, H/32]")
         _shape("w2_scale", w2_scale, (E, H, I // MXFP4_GROUP), "[E, H, I/32]")
+    if mxfp4_layout == "mma":
+        check_mma_layout(fmt, H, I, w13, w2)
     if gate_up_interleaved and (2 * I) % 2:
         raise ValueError("gate_up_interleaved needs an even 2I")
     if topk_weights.dtype not in (torch.float32, hidden.dtype):
@@ -155,6 +162,21 @@ def check_quantized_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation
         raise ValueError("FP8 W8A8 (quantize_activations=True) needs a GPU with FP8 tensor cores "
                          "(sm_89+); pass quantize_activations=False for W8A16")
     return fmt, H, I, bn, bk
+
+
+def check_mma_layout(fmt, H, I, w13, w2):
+    """mxfp4_layout='mma' (moe_ops.mxfp4_layout): MXFP4 weights, H and I multiples of 64, each
+    expert's [N, K/2] bytes contiguous (as swizzle_mxfp4 returns them)."""
+    if fmt != "mxfp4":
+        raise ValueError(f"mxfp4_layout='mma' applies to MXFP4 (uint8) weights only, got "
+                         f"{w13.dtype}")
+    if H % 64 or I % 64:
+        raise ValueError(f"mxfp4_layout='mma' needs H and I multiples of 64, got H={H}, I={I}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.stride(2) != 1 or w.stride(1) != w.shape[2]:
+            raise ValueError(f"{name}: the mma layout is read as contiguous [N, K/2] rows per "
+                             f"expert (moe_ops.swizzle_mxfp4's output), got strides "
+                             f"{tuple(w.stride())}")
 
 
 def reject_scale_grad(w13_scale, w2_scale):

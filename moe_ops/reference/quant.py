@@ -74,13 +74,19 @@ class LazyDequantized:
     """A quantized [E, N, K] weight that dequantizes one expert when indexed (`w[e]`): the
     references never hold every expert dequantized (DeepSeek-V3's w13 in float64 is 60 GB)."""
 
-    def __init__(self, w, scale, block_shape, dtype):
+    def __init__(self, w, scale, block_shape, dtype, mxfp4_layout="plain"):
         self.w, self.scale, self.block_shape, self.dtype = w, scale, block_shape, dtype
+        self.mma = mxfp4_layout == "mma"   # MXFP4 in moe_ops.mxfp4_layout's order
         E, N, K = w.shape
         self.shape = (E, N, 2 * K if weight_format(w) == "mxfp4" else K)
 
     def __getitem__(self, e):
-        return dequantize_weights(self.w[e], self.scale[e], self.block_shape, self.dtype)
+        w = self.w[e]
+        if self.mma:
+            from moe_ops.mxfp4_layout import unswizzle_mxfp4
+
+            w = unswizzle_mxfp4(w[None])[0]
+        return dequantize_weights(w, self.scale[e], self.block_shape, self.dtype)
 
 
 def quantize_fp8_block(w: torch.Tensor, block_shape=DEFAULT_BLOCK_SHAPE):
@@ -180,19 +186,21 @@ def quantized_dispatch_reference(hidden, w13, w2, topk_weights, topk_ids, activa
                                  gate_up_interleaved=False, weights_on_input=False,
                                  w13_scale=None, w2_scale=None, block_shape=None,
                                  quantize_activations=True, emulate_kernel=True,
-                                 compute_dtype=torch.float64, act_dtype=None):
+                                 compute_dtype=torch.float64, act_dtype=None,
+                                 mxfp4_layout="plain"):
     """moe.dispatch with quantized weights, dequantized in `compute_dtype` ([T, H], that dtype).
     emulate_kernel (FP8 with quantize_activations): the W8A8 reference, activations quantized
     as the kernels do (a from its float32 value: the kernels quantize it in the gate+up
     epilogue); else
     unquantized activations (the float64 computation on the dequantized weights, the issue's
     accuracy anchor). act_dtype: a dtype a is rounded to before its quantization (None: none,
-    as the kernels). This is also moe.dispatch's CPU
-    kernel (emulate_kernel=True, compute_dtype float32, the result cast to hidden's dtype)."""
+    as the kernels). mxfp4_layout "mma": MXFP4 weights in moe_ops.mxfp4_layout's order. This is
+    also moe.dispatch's CPU kernel (emulate_kernel=True, compute_dtype float32, the result cast
+    to hidden's dtype)."""
     fmt = weight_format(w13)
     bs = tuple(block_shape) if block_shape is not None else DEFAULT_BLOCK_SHAPE
-    w13f = LazyDequantized(w13, w13_scale, bs, compute_dtype)
-    w2f = LazyDequantized(w2, w2_scale, bs, compute_dtype)
+    w13f = LazyDequantized(w13, w13_scale, bs, compute_dtype, mxfp4_layout)
+    w2f = LazyDequantized(w2, w2_scale, bs, compute_dtype, mxfp4_layout)
     qa = fmt == "fp8" and quantize_activations and emulate_kernel
     return dense_dispatch_reference(
         hidden, w13f, w2f, topk_weights, topk_ids, activation, w13_bias, w2_bias, alpha, limit,
@@ -205,7 +213,7 @@ def quantized_dispatch_backward_reference(grad_out, hidden, w13, w2, topk_weight
                                           alpha=1.702, limit=7.0, gate_up_interleaved=False,
                                           weights_on_input=False, w13_scale=None, w2_scale=None,
                                           block_shape=None, quantize_activations=True,
-                                          compute_dtype=torch.float32):
+                                          compute_dtype=torch.float32, mxfp4_layout="plain"):
     """Gradients through frozen quantized experts: (d hidden, d topk_weights, d w13_bias,
     d w2_bias) (None for an absent bias), the weights dequantized one expert at a time. The
     activations' quantization (W8A8) counts as the identity (a straight-through estimator: its
@@ -215,8 +223,8 @@ def quantized_dispatch_backward_reference(grad_out, hidden, w13, w2, topk_weight
     T, H = hidden.shape
     cd = compute_dtype
     bs = tuple(block_shape) if block_shape is not None else DEFAULT_BLOCK_SHAPE
-    w13f = LazyDequantized(w13, w13_scale, bs, cd)
-    w2f = LazyDequantized(w2, w2_scale, bs, cd)
+    w13f = LazyDequantized(w13, w13_scale, bs, cd, mxfp4_layout)
+    w2f = LazyDequantized(w2, w2_scale, bs, cd, mxfp4_layout)
     E, I = w2f.shape[0], w2f.shape[2]
     K = topk_ids.shape[1]
     dev = hidden.device

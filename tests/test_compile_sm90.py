@@ -160,3 +160,41 @@ def test_quant_heuristic_configs_compile(compile_check, fmt, shape, gpt_oss, T):
     pdl = {launch.name: launch.kwargs.get("USE_PDL", False) for launch in launches}
     assert pdl["quant_gate_up_kernel"] == pdl["quant_down_kernel"] == (fmt == "fp8")
     assert ("quantize_groups_kernel" in got) == (fmt == "fp8")
+
+
+@pytest.mark.parametrize("T", [1, 8, 128, 8192])
+def test_mxfp4_mma_layout_compiles_to_word_operands(compile_check, T):
+    """MXFP4 in the mma layout (moe_ops.mxfp4_layout), the heuristic's config at gpt-oss-20b,
+    compiled for sm_90 by the installed Triton: both expert GEMMs run wgmma and no mma.sync, and
+    the word decode's operand layout gives each thread whole 4-byte words (its inline asm packs
+    four bytes per register and decodes them as one word: a layout that split words would decode
+    wrong values, so this is the check that the Triton in use compiles the path as measured)."""
+    launches = compile_check.quant_launches("mxfp4", (2880, 2880, 32, 4), T, gpt_oss=True,
+                                            mxfp4_layout="mma")
+    got = _compile_all(compile_check, launches)
+    for kname in ("quant_gate_up_kernel", "quant_down_kernel"):
+        (c,) = got[kname]
+        assert c.wgmma > 0 and c.mma == 0, (kname, c.wgmma, c.mma)
+        words = compile_check.word_operands(c.ttgir)
+        assert words and all(words), (kname, words)
+
+
+def test_word_operands_reads_layouts(compile_check):
+    """word_operands accepts a layout whose registers hold whole 4-byte words and refuses ones
+    that split a word (narrower per-thread runs, or word bytes spread over lanes)."""
+    def ttgir(layout):
+        return (f"#l = {layout}\n"
+                '%r:2 = tt.elementwise_inline_asm "and.b32 $0, $4, 0x81C081C0;" '
+                "{packed_element = 4 : i32} %p : tensor<16x512xi8, #l> -> "
+                "tensor<16x512xbf16, #l>, tensor<16x512xbf16, #l>\n")
+    good = ("#ttg.linear<{register = [[0, 1], [0, 2], [0, 4], [0, 8]], lane = [[0, 16], "
+            "[1, 0]], warp = [[4, 0]], block = []}>")
+    split = ("#ttg.linear<{register = [[0, 1], [0, 4], [0, 8], [0, 16]], lane = [[0, 2], "
+             "[1, 0]], warp = [[4, 0]], block = []}>")
+    assert compile_check.word_operands(ttgir(good)) == [True]
+    assert compile_check.word_operands(ttgir(split)) == [False]
+    blocked = ("#ttg.blocked<{sizePerThread = [1, %d], threadsPerWarp = [4, 8], "
+               "warpsPerCTA = [4, 1], order = [1, 0]}>")
+    assert compile_check.word_operands(ttgir(blocked % 16)) == [True]
+    assert compile_check.word_operands(ttgir(blocked % 2)) == [False]
+    assert compile_check.word_operands("no asm here") == []

@@ -138,13 +138,14 @@ def register_fp8_experts_interface() -> bool:
 
 
 def attach_mxfp4(experts, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
-                 layout="plain"):
+                 layout="auto"):
     """Keeps gpt-oss's raw MXFP4 tensors on its experts module (`*_blocks` [E, N, K/32, 16]
-    uint8 as in the checkpoint, or already [E, N, K/2]; `*_scales` [E, N, K/32] uint8 e8m0), as
-    views: gate_up rows are the checkpoint's (gate and up interleaved), packed along H; down
-    rows are H, packed along I. layout "mma": swizzle_mxfp4 copies of the blocks instead (the
-    decode kernels' faster byte order; moe.dispatch's mxfp4_layout="mma"); "auto": "mma" for
-    CUDA tensors on sm_90+ whose H and I are multiples of 64, else "plain"."""
+    uint8 as in the checkpoint, or already [E, N, K/2]; `*_scales` [E, N, K/32] uint8 e8m0):
+    gate_up rows are the checkpoint's (gate and up interleaved), packed along H; down rows are
+    H, packed along I. layout "plain": the blocks as views; "mma": swizzle_mxfp4 copies of them
+    (the byte order the decode kernels read fastest: moe.dispatch's mxfp4_layout="mma", the
+    same outputs bit for bit; the caller drops the originals); "auto" (default): "mma" for CUDA
+    tensors on sm_90+ whose H and I are multiples of 64 (gpt-oss: 2880), else "plain"."""
     from moe_ops.mxfp4_layout import swizzle_mxfp4
 
     def flat(b):

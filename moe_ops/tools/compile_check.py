@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import inspect
 import os
+import re
 import sys
 from typing import Iterator
 
@@ -54,6 +55,7 @@ class Compiled:
     tma: int
     ptx: str
     warps: int = 0   # warps per program as compiled (a warp-specialised kernel adds its groups)
+    ttgir: str = ""
 
 
 @contextlib.contextmanager
@@ -165,7 +167,54 @@ def compile_launch(launch: Launch) -> Compiled:
     ptx = k.asm["ptx"]
     return Compiled(launch.name, key, k.metadata.shared, ptx.count("wgmma.mma_async"),
                     ptx.count("mma.sync"), ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
-                    ptx.count("cp.async.bulk.tensor"), ptx, k.metadata.num_warps)
+                    ptx.count("cp.async.bulk.tensor"), ptx, k.metadata.num_warps,
+                    k.asm.get("ttgir", ""))
+
+
+def _layouts(ttgir: str) -> dict:
+    """The TTGIR's layout aliases: name -> its attribute text."""
+    return dict(re.findall(r"^(#\w+) = (#ttg\.\w+<\{.*\}>)\s*$", ttgir, flags=re.M))
+
+
+def _bases(attr: str, key: str) -> list:
+    m = re.search(key + r" = (\[\[[-\d, \[\]]*\]\]|\[\])", attr)
+    return [] if m is None else [list(map(int, b.split(","))) if b.strip() else []
+                                 for b in re.findall(r"\[([-\d, ]*)\]", m.group(1)[1:-1])]
+
+
+def word_operands(ttgir: str, marker: str = "0x81C081C0") -> list[bool]:
+    """For each inline-asm op of the compiled kernel whose asm contains `marker` (the MXFP4
+    mma-layout word decode, quant_gemm._MXFP4_MMA_WORD_ASM, packed 4 bytes per register):
+    whether its uint8 operand's layout gives every thread whole 4-byte words of consecutive
+    bytes along the last dimension, starting at multiples of 4 (what packing 4 elements per
+    32-bit register must read as one word). A layout that split a word would decode other
+    bytes' codes: tests/test_compile_sm90.py checks this for the installed Triton."""
+    layouts = _layouts(ttgir)
+    out = []
+    for line in ttgir.splitlines():
+        if "elementwise_inline_asm" not in line or marker not in line:
+            continue
+        m = re.search(r":\s*tensor<([\dx]+)xi8, (#\w+)>", line)
+        if m is None:
+            out.append(False)
+            continue
+        rank = len(m.group(1).split("x"))
+        attr = layouts.get(m.group(2), "")
+        if attr.startswith("#ttg.blocked"):
+            order = re.search(r"order = \[([\d, ]*)\]", attr)
+            spt = list(map(int, re.search(r"sizePerThread = \[([\d, ]*)\]",
+                                          attr).group(1).split(",")))
+            first = int(order.group(1).split(",")[0]) if order else -1
+            out.append(spt[-1] % 4 == 0 and first == rank - 1)
+        elif attr.startswith("#ttg.linear"):
+            reg = _bases(attr, "register")
+            others = reg[2:] + _bases(attr, "lane") + _bases(attr, "warp") + _bases(attr, "block")
+            unit = [0] * (rank - 1)
+            ok = len(reg) >= 2 and reg[0] == unit + [1] and reg[1] == unit + [2]
+            out.append(ok and all(b[-1] % 4 == 0 for b in others if b))
+        else:
+            out.append(False)
+    return out
 
 
 def forward_launches(shape, T, cfg, dtype, backward=False, rows_per_expert=None) -> list[Launch]:
@@ -196,13 +245,15 @@ def forward_launches(shape, T, cfg, dtype, backward=False, rows_per_expert=None)
     return launches
 
 
-def quant_launches(fmt, shape, T, quant_a=True, config=None, gpt_oss=False) -> list[Launch]:
+def quant_launches(fmt, shape, T, quant_a=True, config=None, gpt_oss=False,
+                   mxfp4_layout="plain") -> list[Launch]:
     """The launches of one quantized moe.dispatch forward (FP8 block-scaled with [128, 128]
     blocks, or MXFP4) as compiled for sm_90: CPU tensors standing for CUDA ones (the launcher's
     interpreter switch and the inline-PTX check answer as on an H100), shape (H, I, E, K)
     scaled down to H, I <= 512 with their remainders modulo 128 kept (what the kernels'
     K-tail and scale-block constants depend on; gpt-oss's 2880 -> 448). gpt_oss: its biases,
-    activation and interleaved rows. config: the heuristic's for the full shape by default."""
+    activation and interleaved rows. config: the heuristic's for the full shape by default.
+    mxfp4_layout "mma": the MXFP4 weights swizzled (moe_ops.mxfp4_layout)."""
     from moe_ops import _features
     from moe_ops.launch import quant
     from moe_ops.tools.quant_baselines import random_quantized
@@ -225,6 +276,11 @@ def quant_launches(fmt, shape, T, quant_a=True, config=None, gpt_oss=False) -> l
                                                 "cuda", quant_a=fmt == "fp8" and quant_a)
     as_on_h100 = [(quant, "_interpreted", lambda device: False),
                   (_features, "inline_ptx", lambda device: True)]
+    if mxfp4_layout == "mma":
+        from moe_ops.mxfp4_layout import swizzle_mxfp4
+
+        w13, w2 = swizzle_mxfp4(w13), swizzle_mxfp4(w2)
+        kw["mxfp4_layout"] = "mma"
     with capture(as_on_h100) as launches:
         quant.dispatch_quantized(hidden, w13, w2, w, ids, **kw, config=cfg)
     return launches

@@ -99,9 +99,10 @@ def _csv_records(path):
     return env, [dict(zip(CSV_HEADER, row)) for row in rows[1:]]
 
 
-@pytest.mark.parametrize("weights,shape", [("fp8", "qwen3_30b_a3b"), ("mxfp4", "gpt_oss_20b")])
+@pytest.mark.parametrize("weights,shape", [("fp8", "qwen3_30b_a3b"), ("mxfp4", "gpt_oss_20b"),
+                                           ("mxfp4-mma", "gpt_oss_20b")])
 def test_tiny_quantized_weights_run_and_write_the_weights_column(weights, shape, tmp_path):
-    """--weights fp8 / mxfp4 on tiny shapes on the CPU: every quantized implementation checked
+    """--weights fp8 / mxfp4 / mxfp4-mma on tiny shapes on the CPU: every quantized implementation checked
     and timed (scaled_grouped_mm, which has no CPU kernel, n/a with its reason and no number),
     the weights column filled, moe_ops W8A8 also checked against the W8A8 reference."""
     csv_path = tmp_path / "q.csv"

@@ -9,9 +9,10 @@ run and report floor / time. The table comes last; --plot draws floor / time aga
     moe-ops-bench --shapes olmoe --tokens 1 128 --impls moe_ops torch_grouped_mm
     moe-ops-bench --tiny                # tiny shapes, CPU smoke test
     moe-ops-bench --csv out.csv --md out.md --plot out.png   # --plot needs matplotlib
-    moe-ops-bench --weights fp8         # FP8 block-scaled experts (W8A8); also fp8-w8a16, mxfp4
+    moe-ops-bench --weights fp8         # FP8 block-scaled experts (W8A8); also fp8-w8a16, mxfp4,
+                                        # mxfp4-mma (moe_ops on the mma layout of the blocks)
 
---weights fp8|fp8-w8a16|mxfp4 benchmarks quantized expert weights (issue 42): moe_ops on the
+--weights fp8|fp8-w8a16|mxfp4|mxfp4-mma benchmarks quantized expert weights (issue 42): moe_ops on the
 quantized weights, dequantize-then-bf16 moe_ops (the dequantization timed), bf16 moe_ops on
 weights dequantized ahead of time (a reference point, not a baseline) and rowwise-FP8
 torch._scaled_grouped_mm (FP8 only). Errors: against float64 on the dequantized weights with
@@ -92,6 +93,7 @@ DEFAULT_SHAPES = {
     "fp8": ["deepseek_v3_routed", "qwen3_30b_a3b"],
     "fp8-w8a16": ["deepseek_v3_routed", "qwen3_30b_a3b"],
     "mxfp4": ["gpt_oss_20b", "gpt_oss_120b"],
+    "mxfp4-mma": ["gpt_oss_20b", "gpt_oss_120b"],
 }
 WEIGHTS = list(DEFAULT_SHAPES)
 # Same experts, top-k and routing; H and I cut down (odd I on purpose) so a CPU runs them in seconds.
@@ -102,7 +104,7 @@ TOKENS = [1, 8, 32, 128, 512, 2048, 8192]
 TINY_TOKENS = [1, 8, 33]
 
 IMPLS = ["moe_ops", "torch_grouped_mm", "expert_loop", "hf_eager", "hf_grouped_mm", "hf_batched_mm"]
-# --weights fp8 | fp8-w8a16 | mxfp4
+# --weights fp8 | fp8-w8a16 | mxfp4 | mxfp4-mma
 QUANT_IMPLS = ["moe_ops", "deq_moe_ops", "predequantized", "scaled_grouped_mm"]
 ALL_IMPLS = IMPLS + QUANT_IMPLS[1:]
 SHORT = {"moe_ops": "moe_ops", "torch_grouped_mm": "torch_gmm", "expert_loop": "loop",
@@ -325,6 +327,7 @@ class QuantWeights:
     w2_scale: torch.Tensor
     dense: Weights
     rowwise: Optional[tuple] = None   # (q13, s13, q2, s2) rowwise FP8 for scaled_grouped_mm
+    mma: Optional[tuple] = None       # (w13, w2) in the mma layout, for moe_ops (mxfp4-mma)
 
     def quant_kwargs(self) -> dict:
         return self.fmt.dispatch_kwargs(self.w13_scale, self.w2_scale)
@@ -355,7 +358,13 @@ def make_quant_weights(s: Shape, fmt: qb.QuantFormat, device, dtype, seed: int,
     rw = None
     if rowwise:
         rw = (*qb.rowwise_fp8(d13), *qb.rowwise_fp8(d2))
-    return QuantWeights(fmt, q13, q2, s13, s2, _with_router(s, d13, d2, g, device, dtype), rw)
+    mma = None
+    if fmt.mxfp4_layout == "mma":
+        from moe_ops.mxfp4_layout import swizzle_mxfp4
+
+        mma = (swizzle_mxfp4(q13), swizzle_mxfp4(q2))
+    return QuantWeights(fmt, q13, q2, s13, s2, _with_router(s, d13, d2, g, device, dtype), rw,
+                        mma)
 
 
 def _with_router(s: Shape, w13, w2, g, device, dtype) -> Weights:
@@ -639,7 +648,7 @@ def _after_impl(name: str, r: Result, over_budget: dict, device, T: int) -> None
 
 
 # --------------------------------------------------------------------------------------------
-# Quantized weights (--weights fp8 | fp8-w8a16 | mxfp4)
+# Quantized weights (--weights fp8 | fp8-w8a16 | mxfp4 | mxfp4-mma)
 # --------------------------------------------------------------------------------------------
 
 def quant_floor_terms(s: Shape, T: int, experts_hit: int, esize: int,
@@ -653,12 +662,14 @@ def quant_floor_terms(s: Shape, T: int, experts_hit: int, esize: int,
 def quant_implementations(qw: QuantWeights, variant: dict) -> dict[str, bl.Baseline]:
     """The implementations of a quantized cell, each called with (hidden, topk_weights,
     topk_ids)."""
-    qkw = qw.quant_kwargs()
+    qkw = qw.quant_kwargs()   # (mxfp4_layout: moe_ops' call on qw.mma only)
     bs = qkw["block_shape"]
     dense = qw.dense
 
+    w13, w2 = qw.mma if qw.mma is not None else (qw.w13, qw.w2)
+
     def moe_ops_quant(hidden, tw, ids):
-        return torch.ops.moe.dispatch(hidden, qw.w13, qw.w2, tw, ids, **variant, **qkw)
+        return torch.ops.moe.dispatch(hidden, w13, w2, tw, ids, **variant, **qkw)
 
     def deq_moe_ops(hidden, tw, ids):
         d13 = qb.dequantize(qw.w13, qw.w13_scale, bs, hidden.dtype)
@@ -705,7 +716,8 @@ def run_quant_cell(s: Shape, qw: QuantWeights, T: int, impls: list[str], unavail
     n_bytes, flops = quant_floor_terms(s, T, rt.hit, hidden.element_size(), fmt)
     floor_us = max(n_bytes / bw, flops / rate) * 1e6
     variant = qw.dense.expert_kwargs(s)
-    qkw = qw.quant_kwargs()
+    # the references read the plain blocks (qw.w13, qw.w2): no mxfp4_layout for them
+    qkw = {k: v for k, v in qw.quant_kwargs().items() if k != "mxfp4_layout"}
 
     ref = ref_w8a8 = None
     checked = flops <= opts.check_max_gflop * 1e9
@@ -1079,8 +1091,9 @@ def main(argv=None) -> int:
     quant = qb.FORMATS.get(opts.weights)
     if opts.tiny:
         shapes = [dataclasses.replace(s, H=TINY_HI[s.name][0], I=TINY_HI[s.name][1]) for s in shapes]
-    if quant is not None and quant.fmt == "mxfp4":   # H and I multiples of 32
-        shapes = [dataclasses.replace(s, H=-(-s.H // 32) * 32, I=-(-s.I // 32) * 32)
+    if quant is not None and quant.fmt == "mxfp4":   # H and I multiples of 32 (mma: 64)
+        m = 64 if quant.mxfp4_layout == "mma" else 32
+        shapes = [dataclasses.replace(s, H=-(-s.H // m) * m, I=-(-s.I // m) * m)
                   for s in shapes]
     tokens = opts.tokens or (TINY_TOKENS if opts.tiny else TOKENS)
     all_names = IMPLS if quant is None else QUANT_IMPLS

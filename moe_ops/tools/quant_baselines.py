@@ -29,12 +29,16 @@ class QuantFormat:
     tol: float                # moe_ops vs float64 on the dequantized weights, unquantized activations
     w8a8_tol: Optional[float]  # moe_ops vs the W8A8 reference (activations quantized as the kernels)
     fp8_mma: bool             # the MMAs run in FP8: the FLOP floor is charged at the FP8 ceiling
+    mxfp4_layout: str = "plain"   # MXFP4: moe.dispatch's mxfp4_layout ("mma": swizzle_mxfp4)
 
     def dispatch_kwargs(self, w13_scale, w2_scale) -> dict:
         """moe.dispatch's quantization arguments."""
-        return dict(w13_scale=w13_scale, w2_scale=w2_scale,
-                    block_shape=list(BLOCK_SHAPE) if self.fmt == "fp8" else None,
-                    quantize_activations=self.quantize_activations)
+        kw = dict(w13_scale=w13_scale, w2_scale=w2_scale,
+                  block_shape=list(BLOCK_SHAPE) if self.fmt == "fp8" else None,
+                  quantize_activations=self.quantize_activations)
+        if self.mxfp4_layout != "plain":
+            kw["mxfp4_layout"] = self.mxfp4_layout
+        return kw
 
 
 # Tolerances: docs/contract.md's accuracy bounds.
@@ -42,6 +46,8 @@ FORMATS = {
     "fp8": QuantFormat("fp8", "fp8", True, 6e-2, 1e-2, True),
     "fp8-w8a16": QuantFormat("fp8-w8a16", "fp8", False, 2e-2, None, False),
     "mxfp4": QuantFormat("mxfp4", "mxfp4", False, 1e-2, None, False),
+    # the same weights in the mma layout (moe_ops.mxfp4_layout; H and I multiples of 64)
+    "mxfp4-mma": QuantFormat("mxfp4-mma", "mxfp4", False, 1e-2, None, False, "mma"),
 }
 # Rowwise FP8: the block-scaled weights are rounded to e4m3 a second time (per output row) and
 # the activations per whole token, on top of what W8A8 rounds: an emulation in float64 at the

@@ -504,3 +504,24 @@ def test_mxfp4_mma_layout_not_interleaved(T):
             assert torch.isfinite(out).all()
             assert rel_err(out, plain.double()) <= 5e-3, (dtype, stacked)
             assert rel_err(out, ref) <= 1e-2, (dtype, stacked)
+
+
+def test_mxfp4_mma_layout_through_the_op_and_attach():
+    """torch.ops.moe.dispatch(mxfp4_layout="mma") and hf_quant.attach_mxfp4's default ("auto":
+    swizzled copies on sm_90+) give the plain layout's output bit for bit at gpt-oss-20b."""
+    from moe_ops.integrations.hf_quant import attach_mxfp4, mxfp4_experts_forward
+
+    T = 8
+    hidden, b13, b2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 900)
+    plain = moe_ops.dispatch(hidden, b13, b2, tw, ids, **kw)
+    out = moe_ops.dispatch(hidden, moe_ops.swizzle_mxfp4(b13), moe_ops.swizzle_mxfp4(b2), tw, ids,
+                           **kw, mxfp4_layout="mma")
+    assert torch.isfinite(plain).all() and torch.equal(out, plain)
+    experts = torch.nn.Module()
+    experts.alpha, experts.limit = 1.702, 7.0
+    attach_mxfp4(experts, b13, kw["w13_scale"], b2, kw["w2_scale"])
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert experts.moe_ops_mxfp4_layout == ("mma" if hopper else "plain")
+    with torch.no_grad():
+        got = mxfp4_experts_forward(experts, hidden, ids, tw)
+    assert torch.equal(got, plain)

@@ -116,6 +116,23 @@ def e8m0_decode(s):
 
 
 @triton.jit
+def e8m0_bf16_factors(sc):
+    """The two bf16 factors whose product scales a bit-placed e2m1 value (the code times
+    2^-126) by its e8m0 byte s: 2^(min(s, 128) - 1) and 2^(max(s, 128) - 128), each exact in
+    bf16, so the two multiplications round nothing (s == 255: inf, as e8m0_decode)."""
+    s16 = sc.to(tl.int16)
+    f1 = ((tl.minimum(s16, 128) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    f2 = tl.where(s16 == 255, 0x7F80, (tl.maximum(s16, 128) - 1) << 7).to(tl.int16)
+    return f1, f2.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def per_value(f, BN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BN, BLOCK_K // 32] per-group factors broadcast to the tile's [BN, BLOCK_K] values."""
+    return tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BLOCK_K // 32, 32)), (BN, BLOCK_K))
+
+
+@triton.jit
 def mxfp4_tile_bits(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl.constexpr):
     """[BN, BLOCK_K] bf16 values of packed e2m1 bytes p [BN, BLOCK_K // 2] (low nibble first) and
     their e8m0 scale bytes sc [BN, BLOCK_K // 32], by bit placement (GPU, bfloat16 operands):
@@ -131,11 +148,8 @@ def mxfp4_tile_bits(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl
     hi = (((p16 & 0x70) << 2) | ((p16 & 0x80) << 8)).to(tl.int16)
     v = tl.reshape(tl.join(lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)),
                    (BN, BLOCK_K // 32, 32))
-    s16 = sc.to(tl.int16)
-    f1 = ((tl.minimum(s16, 128) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    # s == 255 scales to inf (0 * inf = NaN), as e8m0_decode and the reference do
-    f2 = tl.where(s16 == 255, 0x7F80, (tl.maximum(s16, 128) - 1) << 7).to(tl.int16)
-    f2 = f2.to(tl.bfloat16, bitcast=True)
+    # (s == 255 scales to inf, 0 * inf = NaN, as e8m0_decode and the reference do)
+    f1, f2 = e8m0_bf16_factors(sc)
     v = v * f1[:, :, None]
     v = v * f2[:, :, None]
     return tl.reshape(v, (BN, BLOCK_K)).to(OP_DTYPE)
@@ -165,14 +179,10 @@ mul.rn.bf16x2 $0, y, $3;
 def mxfp4_tile_asm(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr):
     """mxfp4_tile_bits' values and arithmetic (bf16 only), in inline PTX over bf16x2 pairs:
     one byte gives one register of the MMA operand, with packed multiplications."""
-    s16 = sc.to(tl.int16)
-    f1 = ((tl.minimum(s16, 128) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    f2 = tl.where(s16 == 255, 0x7F80, (tl.maximum(s16, 128) - 1) << 7).to(tl.int16)
-    f2 = f2.to(tl.bfloat16, bitcast=True)
-    f1 = tl.reshape(tl.broadcast_to(f1[:, :, None], (BN, BLOCK_K // 32, 32)), (BN, BLOCK_K))
-    f2 = tl.reshape(tl.broadcast_to(f2[:, :, None], (BN, BLOCK_K // 32, 32)), (BN, BLOCK_K))
+    f1, f2 = e8m0_bf16_factors(sc)
     p2 = tl.reshape(tl.join(p, tl.zeros_like(p)), (BN, BLOCK_K))
-    return tl.inline_asm_elementwise(_MXFP4_PAIR_ASM, "=r,h,r,r", [p2, f1, f2],
+    return tl.inline_asm_elementwise(_MXFP4_PAIR_ASM, "=r,h,r,r",
+                                     [p2, per_value(f1, BN, BLOCK_K), per_value(f2, BN, BLOCK_K)],
                                      dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
@@ -243,13 +253,9 @@ def mxfp4_mma_tile(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.const
     u = tl.reshape(u, (BN // 16, 4, BLOCK_K // 64, 2, 4, 8, 2, 2))
     v = tl.reshape(tl.permute(u, (0, 6, 1, 3, 2, 5, 4, 7)), (BN, BLOCK_K))
     if ASM:
-        s16 = sc.to(tl.int16)
-        f1 = ((tl.minimum(s16, 128) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        f2 = tl.where(s16 == 255, 0x7F80, (tl.maximum(s16, 128) - 1) << 7).to(tl.int16)
-        f2 = f2.to(tl.bfloat16, bitcast=True)
-        f1 = tl.reshape(tl.broadcast_to(f1[:, :, None], (BN, BLOCK_K // 32, 32)), (BN, BLOCK_K))
-        f2 = tl.reshape(tl.broadcast_to(f2[:, :, None], (BN, BLOCK_K // 32, 32)), (BN, BLOCK_K))
-        v = tl.inline_asm_elementwise(_BF16X2_MUL2_ASM, "=r,r,r,r", [v, f1, f2],
+        f1, f2 = e8m0_bf16_factors(sc)
+        v = tl.inline_asm_elementwise(_BF16X2_MUL2_ASM, "=r,r,r,r",
+                                      [v, per_value(f1, BN, BLOCK_K), per_value(f2, BN, BLOCK_K)],
                                       dtype=tl.bfloat16, is_pure=True, pack=2)
     else:
         v = tl.reshape(tl.reshape(v, (BN, BLOCK_K // 32, 32)) * e8m0_decode(sc)[:, :, None],

@@ -6,7 +6,8 @@ import math
 import torch
 
 from moe_ops._runtime import checks_enabled
-from moe_ops.ops.quant_checks import MXFP4_LAYOUTS, check_quantized_dispatch
+from moe_ops.ops.quant_checks import (check_mxfp4_layout_value, check_quantized_dispatch,
+                                      reject_mma_layout)
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -95,9 +96,7 @@ def check_variant_types(activation="silu", w13_bias=None, w2_bias=None, alpha=1.
     if not isinstance(mxfp4_layout, str):
         raise TypeError(f"mxfp4_layout must be a str ('plain' or 'mma'), got "
                         f"{type(mxfp4_layout).__name__}")
-    if mxfp4_layout not in MXFP4_LAYOUTS:
-        raise ValueError(f"mxfp4_layout must be 'plain' (transformers' blocks) or 'mma' "
-                         f"(moe_ops.swizzle_mxfp4's order), got {mxfp4_layout!r}")
+    check_mxfp4_layout_value(mxfp4_layout)
     if not isinstance(activation, str):
         raise TypeError(f"activation must be a str (one of {', '.join(ACTIVATIONS)}), "
                         f"got {type(activation).__name__}")
@@ -187,8 +186,7 @@ def check_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation="silu", w
         check_weight_layout("w2", w2)
         return
     if mxfp4_layout != "plain":
-        raise ValueError(f"mxfp4_layout={mxfp4_layout!r} applies to MXFP4 (uint8) weights only, "
-                         f"got {str(w13.dtype).replace('torch.', '')} weights")
+        reject_mma_layout(w13)
     check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     dev = hidden.device.type
     if not _dtypes_ok(hidden.dtype, dev):

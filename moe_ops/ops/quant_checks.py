@@ -66,9 +66,7 @@ def check_quantized_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation
                              mxfp4_layout="plain"):
     """Checks moe.dispatch's arguments when w13/w2 are quantized; returns (format, H, I, bn, bk)
     with format 'fp8' or 'mxfp4' (bn, bk: the FP8 block shape; for MXFP4, (1, 32))."""
-    if mxfp4_layout not in MXFP4_LAYOUTS:
-        raise ValueError(f"mxfp4_layout must be 'plain' (transformers' blocks) or 'mma' "
-                         f"(moe_ops.swizzle_mxfp4's order), got {mxfp4_layout!r}")
+    check_mxfp4_layout_value(mxfp4_layout)
     for name, x in (("hidden", hidden), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights),
                     ("topk_ids", topk_ids)):
         if not isinstance(x, torch.Tensor):
@@ -164,12 +162,23 @@ def check_quantized_dispatch(hidden, w13, w2, topk_weights, topk_ids, activation
     return fmt, H, I, bn, bk
 
 
+def check_mxfp4_layout_value(mxfp4_layout):
+    if mxfp4_layout not in MXFP4_LAYOUTS:
+        raise ValueError(f"mxfp4_layout must be 'plain' (transformers' blocks) or 'mma' "
+                         f"(moe_ops.swizzle_mxfp4's order), got {mxfp4_layout!r}")
+
+
+def reject_mma_layout(w13):
+    """mxfp4_layout='mma' given with weights that are not MXFP4."""
+    raise ValueError(f"mxfp4_layout='mma' applies to MXFP4 (uint8) weights only, got "
+                     f"{str(w13.dtype).replace('torch.', '')} weights")
+
+
 def check_mma_layout(fmt, H, I, w13, w2):
     """mxfp4_layout='mma' (moe_ops.mxfp4_layout): MXFP4 weights, H and I multiples of 64, each
     expert's [N, K/2] bytes contiguous (as swizzle_mxfp4 returns them)."""
     if fmt != "mxfp4":
-        raise ValueError(f"mxfp4_layout='mma' applies to MXFP4 (uint8) weights only, got "
-                         f"{w13.dtype}")
+        reject_mma_layout(w13)
     if H % 64 or I % 64:
         raise ValueError(f"mxfp4_layout='mma' needs H and I multiples of 64, got H={H}, I={I}")
     for name, w in (("w13", w13), ("w2", w2)):

@@ -118,13 +118,12 @@ def e8m0_decode(s):
 @triton.jit
 def e8m0_bf16_factors(sc):
     """The two bf16 factors whose product scales a bit-placed e2m1 value (the code times
-    2^-126) by its e8m0 byte s: the constant 2^126, which restores the code exactly, then
-    2^(s - 127), whose bits are s << 7 (s == 0: the subnormal 2^-127, bits 0x40; s == 255: inf,
-    as e8m0_decode). The product is the code times 2^(s - 127) rounded once, as any split of
-    2^(s - 1) in two bf16 factors gives: two integer operations per scale byte."""
+    2^-126) by its e8m0 byte s: 2^(min(s, 128) - 1) and 2^(max(s, 128) - 128), each exact in
+    bf16, so the two multiplications round nothing (s == 255: inf, as e8m0_decode)."""
     s16 = sc.to(tl.int16)
-    f2 = tl.maximum(s16 << 7, 0x40).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return tl.full(f2.shape, 8.507059173023462e37, tl.bfloat16), f2
+    f1 = ((tl.minimum(s16, 128) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    f2 = tl.where(s16 == 255, 0x7F80, (tl.maximum(s16, 128) - 1) << 7).to(tl.int16)
+    return f1, f2.to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -139,10 +138,9 @@ def mxfp4_tile_bits(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl
     their e8m0 scale bytes sc [BN, BLOCK_K // 32], by bit placement (GPU, bfloat16 operands):
     the code's exponent and mantissa bits placed at bf16's lowest exponent bits give the value
     times 2^-126 (code 1, 0.5, lands on the subnormal 2^-127: exact), and the multiplication by
-    2^126 * 2^(s - 127) = 2^(s - 1), split in two factors that bf16 can hold
-    (e8m0_bf16_factors), rounds once, as the reference's float32 product then cast does (s ==
-    255: inf). Six integer operations and two multiplications per pair of values instead of the
-    arithmetic decode's float32 detour."""
+    2^126 * 2^(s - 127) = 2^(s - 1), split in two factors that bf16 can hold (2^(min(s, 128) - 1)
+    and 2^(max(s, 128) - 128)), rounds nothing (s == 255: inf). Six integer operations and two multiplications
+    per pair of values instead of the arithmetic decode's float32 detour."""
     p16 = p.to(tl.int16)
     # Triton promotes int16 op Python-int to int32: every value is cut back to 16 bits before
     # the bitcast (the truncation keeps the bit pattern, sign bit included)

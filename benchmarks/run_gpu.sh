@@ -38,9 +38,13 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
     local name=$1; shift
     local workers=()
     [ -n "${PYTEST_WORKERS:-}" ] && workers=(-n "$PYTEST_WORKERS")
-    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 "${workers[@]}" "$@" "${extra[@]}" \
+    # -v: one line per test as it finishes, so that a group cut off by its timeout still names
+    # its failures (pytest's summary, -rf, prints only at the end)
+    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rf -m gpu -p no:cacheprovider --durations=5 "${workers[@]}" "$@" "${extra[@]}" \
       > "$out/gpu_tests_$name.log" 2>&1
-    echo "[$name] rc=$? $(tail -1 "$out/gpu_tests_$name.log")"
+    local rc=$? log="$out/gpu_tests_$name.log"
+    echo "[$name] rc=$rc $(tail -1 "$log") ($(grep -c ' PASSED' "$log") passed,"\
+         "$(grep -c ' FAILED' "$log") failed, $(grep -c ' SKIPPED' "$log") skipped so far)"
   }
   # Below 100 GiB of GPU memory (the H100's 80 GB) the backward group, whose DeepSeek-V3
   # float64 references take ~60 GiB, runs alone after the other two: all three at once ran out
@@ -54,7 +58,7 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
     --ignore=tests/test_dispatch_backward_gpu.py &
   wait
   [ "$wait_backward" = 1 ] && run_group backward tests/test_dispatch_backward_gpu.py
-  grep -h "^FAILED\|^ERROR" "$out"/gpu_tests_*.log | head -20
+  grep -h " FAILED\| ERROR\|^FAILED\|^ERROR" "$out"/gpu_tests_*.log | grep -o "tests/[^ ]*" | sort -u | head -30
 fi
 if [ "$stage" = quant ]; then
   for w in ${WEIGHTS:-fp8 mxfp4}; do

@@ -8,8 +8,8 @@
 # TRAIN_ARGS (extra bench_train.py flags, e.g. "--tokens 8192"), DECODE_TIMEOUT (90; 0 skips
 # examples/cuda_graph_decode.py), EXAMPLE_TIMEOUT (0 skips examples/train_moe.py --device cuda),
 # TRITON_ENV (a script sourced first that puts another Triton on the path, e.g. the env.sh of
-# ../shared/tools/device-triton.sh), PYTEST_ARGS (added to every test group, e.g.
-# "-k 'not compile'"), WEIGHTS (quant stage: the --weights runs, default "fp8 mxfp4"),
+# ../shared/tools/device-triton.sh; the tests marked "inductor" are then left out), PYTEST_ARGS
+# (added to every test group, e.g. "-k 'not compile'"), WEIGHTS (quant stage: the --weights runs, default "fp8 mxfp4"),
 # PYTEST_WORKERS (pytest-xdist processes per test group, e.g. 4: compilation, most of a group's
 # time, then runs in parallel; needs pytest-xdist, which can travel as a wheel in .whl/).
 # Stages: tests, bench, quant (moe-ops-bench --weights for each of WEIGHTS), all (tests, bench).
@@ -22,9 +22,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then   # wheels a bare GPU image may lack (exp
 elif [ "$stage" != bench ]; then
   echo "WARNING: no .whl/*.whl here: tests that use expecttest fail to import without it" >&2
 fi
+mexpr=gpu
 if [ -n "${TRITON_ENV:-}" ]; then
   # shellcheck disable=SC1090
   . "$TRITON_ENV" || exit
+  # TorchInductor's generated kernels need the Triton torch was built with: its tests
+  # (marker "inductor") run with the image's Triton only
+  mexpr="gpu and not inductor"
 fi
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
@@ -40,7 +44,7 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
     [ -n "${PYTEST_WORKERS:-}" ] && workers=(-n "$PYTEST_WORKERS")
     # -v: one line per test as it finishes, so that a group cut off by its timeout still names
     # its failures (pytest's summary, -rf, prints only at the end)
-    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rf -m gpu -p no:cacheprovider --durations=5 "${workers[@]}" "$@" "${extra[@]}" \
+    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rf -m "$mexpr" -p no:cacheprovider --durations=5 "${workers[@]}" "$@" "${extra[@]}" \
       > "$out/gpu_tests_$name.log" 2>&1
     local rc=$? log="$out/gpu_tests_$name.log"
     echo "[$name] rc=$rc $(tail -1 "$log") ($(grep -c ' PASSED' "$log") passed,"\

@@ -83,6 +83,7 @@ class RoutingAwareComparison:
 # torch.compile(mode="reduce-overhead")
 
 
+@pytest.mark.inductor
 def test_reduce_overhead_runs_in_cuda_graphs_for_every_token_count():
     """One frame for every T comes from `backed_size_oblivious` + `mark_dynamic` here, not from
     `mark_unbacked`: Inductor (2.11 and 2.13, without graph partitioning) refuses CUDA graphs for a
@@ -269,6 +270,7 @@ def test_make_graphed_callables_trains_the_block():
             assert rel_err(grads[n], ref_grads[n]) <= 1e-6, f"{what}: grad of {n}"
 
 
+@pytest.mark.inductor
 def test_reduce_overhead_training_step_runs_in_cuda_graphs():
     """torch.compile(mode="reduce-overhead") of the block, trained (forward and backward): no
     cudagraph skip, replays (static output buffers), gradients close to the eager block's."""
@@ -312,6 +314,7 @@ def test_reduce_overhead_training_step_runs_in_cuda_graphs():
 # No host synchronisation
 
 
+@pytest.mark.inductor
 def test_ops_and_compiled_block_run_without_host_sync(monkeypatch):
     monkeypatch.delenv("MOE_OPS_CHECK", raising=False)  # the id check costs a sync by design
     gen, _ = fresh_generator()
@@ -379,6 +382,7 @@ with torch.no_grad():
 """
 
 
+@pytest.mark.inductor
 def test_aoti_package_loads_and_matches_eager_subprocess(tmp_path):
     """Runs the AOTInductor check in a child process: a crash there must not take the test
     process down. On the H200 with torch 2.11.0+cu130 (2026-11-29) `aoti_load_package` died with

@@ -132,6 +132,7 @@ def test_cuda_graph_capture_and_no_host_sync(T):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.inductor
 def test_fullgraph_one_frame_for_every_T():
     """The gpt-oss variant routed by moe_ops.route inside one fullgraph Inductor frame, for
     T = 1, 0, 3, 17, 256 without recompiling."""

@@ -768,6 +768,7 @@ def test_gpu_float64_model_refused_at_patch_time():
 
 
 @pytest.mark.gpu
+@pytest.mark.inductor
 def test_gpu_compile_patched_model():
     model = apply_moe_ops(make_model("qwen3_moe", dtype=torch.bfloat16, device="cuda"))
     ids = input_ids(device="cuda")

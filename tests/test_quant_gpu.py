@@ -221,6 +221,7 @@ def test_cuda_graph(T):
     assert torch.equal(out, torch.ops.moe.dispatch(*fresh, **kw))
 
 
+@pytest.mark.inductor
 def test_compile_fullgraph():
     args, kw = _small_fp8(T=16)
     torch._dynamo.reset()

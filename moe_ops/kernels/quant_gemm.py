@@ -643,10 +643,6 @@ def quant_gate_up_kernel(
             sc_u = step_scales(u_s, n_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
         if A_PREQUANT:
             xs = group_scales(xs_ptr + tok * stride_xs, row_valid, 0, H, BLOCK_K, False)
-    # (H > 0, as the launcher guarantees: without it the loop's zero-trip exit sets the
-    # accumulator registers, and ptxas 12.8 (Triton 3.6) then serializes every wgmma of the
-    # MXFP4 K step, waiting for each before the next)
-    tl.assume(H > 0)
     for k0 in range(0, H, BLOCK_K):
         k_mask = k_in_range(offs_k, H - k0, EVEN_K)
         sc_g_now, sc_g = scales_at_step(g_s, g_mask, sc_g, k0, H, stride_sk, BLOCK_K, WFMT,
@@ -761,7 +757,6 @@ def quant_down_kernel(
         sc = step_scales(s_n, n_mask, 0, I, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
         if QUANT_A and not QUANT_GATHER:
             xs = group_scales(act_scale_ptr + rows * stride_as, row_valid, 0, I, BLOCK_K, False)
-    tl.assume(I > 0)   # (as in quant_gate_up_kernel)
     for k0 in range(0, I, BLOCK_K):
         k_mask = k_in_range(offs_k, I - k0, EVEN_K)
         sc_now, sc = scales_at_step(s_n, n_mask, sc, k0, I, stride_sk, BLOCK_K, WFMT,

@@ -624,10 +624,8 @@ def quant_gate_up_kernel(
             if INTERLEAVED:   # 2 * BLOCK_N consecutive rows
                 g_w, g_wm = mma_rows(w_e, 2 * n0, offs_q, 2 * (I - n0), stride_wn)
             else:   # the gate slab's storage rows, then the up slab's
-                q = offs_q % (BLOCK_N // 4)
-                srow = tl.where(offs_q >= BLOCK_N // 4, (I + n0) // 4, n0 // 4) + q
-                g_w = w_e + srow.to(tl.int64) * (4 * stride_wn)
-                g_wm = (q // 4) * 16 < I - n0
+                slab0 = tl.where(offs_q >= BLOCK_N // 4, I + n0, n0)
+                g_w, g_wm = mma_rows(w_e, slab0, offs_q % (BLOCK_N // 4), I - n0, stride_wn)
         else:
             offs_q = tl.arange(0, BLOCK_N // 4)
             g_w, g_wm = mma_rows(w_e, n0, offs_q, I - n0, stride_wn)

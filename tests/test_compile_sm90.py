@@ -198,3 +198,33 @@ def test_word_operands_reads_layouts(compile_check):
     assert compile_check.word_operands(ttgir(blocked % 16)) == [True]
     assert compile_check.word_operands(ttgir(blocked % 2)) == [False]
     assert compile_check.word_operands("no asm here") == []
+
+
+@pytest.mark.parametrize("layout", ["plain", "mma"])
+@pytest.mark.parametrize("T", [1, 2048])
+def test_mxfp4_one_factor_compiles_two_loops(compile_check, T, layout):
+    """QuantDispatchConfig.mxfp4_one_factor at gpt-oss-20b, compiled for sm_90: both expert GEMMs
+    keep wgmma (no mma.sync), whole-word operands with the mma layout and their asynchronous tile
+    copies, and hold two K loops, one multiplication per decoded pair in one and two in the
+    other: 1.5 times the default build's packed multiplications."""
+    import dataclasses
+
+    from moe_ops.launch import quant
+
+    shape = (2880, 2880, 32, 4)
+    base = quant.quant_dispatch_config(T, 32, 4, 2880, 2880, "mxfp4", 32, "cuda")
+    builds = {}
+    for one in (False, True):
+        cfg = dataclasses.replace(base, mxfp4_one_factor=one)
+        launches = compile_check.quant_launches("mxfp4", shape, T, gpt_oss=True, config=cfg,
+                                                mxfp4_layout=layout)
+        builds[one] = _compile_all(compile_check, launches)
+    for kname in ("quant_gate_up_kernel", "quant_down_kernel"):
+        (c0,), (c1,) = builds[False][kname], builds[True][kname]
+        assert c1.wgmma > 0 and c1.mma == 0, (kname, c1.wgmma, c1.mma)
+        assert c1.cp_async >= c0.cp_async > 0, (kname, c0.cp_async, c1.cp_async)
+        if layout == "mma":
+            words = compile_check.word_operands(c1.ttgir)
+            assert words and all(words), (kname, words)
+        m0, m1 = c0.ptx.count("mul.rn.bf16x2"), c1.ptx.count("mul.rn.bf16x2")
+        assert m0 > 0 and 2 * m1 == 3 * m0, (kname, m0, m1)

@@ -10,7 +10,13 @@ from conftest import needs_interpreter, rel_err
 
 import moe_ops
 from moe_ops.launch._common import kernel_for
-from moe_ops.kernels.quant_gemm import e2m1_decode, e4m3_decode, e4m3_round, e8m0_decode
+from moe_ops.kernels.quant_gemm import (
+    e2m1_decode,
+    e4m3_decode,
+    e4m3_round,
+    e8m0_decode,
+    scales_at_most_128,
+)
 from moe_ops.launch.quant import dispatch_quantized
 from moe_ops.ops.quant_checks import check_quantized_dispatch
 from moe_ops.ops.samples import make_dispatch_inputs, quant_dispatch_samples
@@ -158,6 +164,40 @@ def test_e2m1_e8m0_decode():
     ref = torch.ldexp(ref, (s.long() - 127).repeat_interleave(32).float())
     assert torch.equal(v, ref)
 
+
+
+@triton.jit
+def _at_most_128_kernel(s_ptr, out_ptr, n_rows, K, stride_r, ROWS: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    one = scales_at_most_128(s_ptr + rows * stride_r, rows < n_rows, K, 1, 32)
+    tl.store(out_ptr, one.to(tl.int32))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("K", [32, 1024, 2880, 3104])
+def test_scales_at_most_128(K):
+    """The one-factor decode's per-program check (QuantDispatchConfig.mxfp4_one_factor): 1 only
+    where every scale byte of the rows inside the mask, over all K // 32 groups (more than one
+    32-group load, a partial last one), is <= 128; bytes past the mask or past K never count."""
+    g = torch.Generator().manual_seed(_seed())
+    n_rows, groups = 12, K // 32
+    s = torch.randint(0, 129, (16, groups + 3), generator=g, dtype=torch.uint8)
+    s[n_rows:] = 255                      # rows outside the mask
+    s[:, groups:] = 255                   # bytes past K
+    out = torch.empty(1, dtype=torch.int32)
+
+    def check():
+        kernel_for(_at_most_128_kernel, s.device)[(1,)](s, out, n_rows, K, s.stride(0), ROWS=16)
+        return int(out.item())
+
+    s[:n_rows, :groups].clamp_(max=128)
+    assert check() == 1
+    for r, c in ((0, 0), (n_rows - 1, groups - 1), (5, groups // 2)):
+        for v in (129, 200, 255):
+            s[r, c] = v
+            assert check() == 0, (r, c, v)
+            s[r, c] = 128
+    assert check() == 1
 
 # ---------------------------------------------------------------- FP8 through the interpreter
 

@@ -526,3 +526,37 @@ def test_mxfp4_mma_layout_through_the_op_and_attach():
     with torch.no_grad():
         got = mxfp4_experts_forward(experts, hidden, ids, tw)
     assert torch.equal(got, plain)
+
+
+@pytest.mark.parametrize("T", [1, 8, 128, 2048])
+@pytest.mark.parametrize("big", [False, True])
+def test_mxfp4_one_factor_bit_equal(T, big):
+    """QuantDispatchConfig.mxfp4_one_factor (one multiplication per decoded pair in programs whose
+    scale bytes are all <= 128) gives the default decode's outputs bit for bit at gpt-oss-20b,
+    plain and mma layouts; `big` puts bytes > 128 (and the subnormal edges) in a few of the
+    rows, so that those programs take the two-factor loop and the others the one-factor loop."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+    from moe_ops.mxfp4_layout import swizzle_mxfp4
+
+    E, K, H, I = SHAPES["gpt_oss_20b"]
+    hidden, b13, b2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 1100 + T)
+    g = torch.Generator(device=DEV).manual_seed(1200 + T)
+    edges = torch.tensor([0, 1, 2, 127, 128, 129, 131, 135], dtype=torch.uint8, device=DEV)
+    if big:
+        for s in (kw["w13_scale"], kw["w2_scale"]):
+            rows = torch.rand(s.shape[:2], device=DEV, generator=g) < 0.02
+            pick = rows[:, :, None] & (torch.rand(s.shape, device=DEV, generator=g) < 0.1)
+            s[pick] = edges[torch.randint(0, len(edges), (int(pick.sum()),), device=DEV,
+                                          generator=g)]
+    assert (kw["w13_scale"].max() > 128) == big
+    cfg = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda")
+    one = dataclasses.replace(cfg, mxfp4_one_factor=True)
+    for layout, w13, w2 in (("plain", b13, b2), ("mma", swizzle_mxfp4(b13), swizzle_mxfp4(b2))):
+        ref = dispatch_quantized(hidden, w13, w2, tw, ids, **kw, config=cfg, mxfp4_layout=layout)
+        out = torch.full_like(ref, float("nan"))
+        dispatch_quantized(hidden, w13, w2, tw, ids, **kw, config=one, mxfp4_layout=layout,
+                           out=out)
+        assert torch.isfinite(ref).all(), layout
+        assert torch.equal(out, ref), layout

@@ -127,6 +127,30 @@ def e8m0_bf16_factors(sc):
 
 
 @triton.jit
+def e8m0_bf16_factor(sc):
+    """2^(s - 1) in bf16 for e8m0 bytes s <= 128 (exact: 2^-1 .. 2^127): the one factor that
+    scales a bit-placed e2m1 value (the code times 2^-126) by 2^(s - 127), the product rounded
+    once as with e8m0_bf16_factors' two (whose second is 1 for s <= 128)."""
+    return ((sc.to(tl.int16) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def scales_at_most_128(s_rows, wmask, K, stride_sk, GB: tl.constexpr):
+    """Whether every e8m0 byte of the weight rows whose scales start at `s_rows` (masked by
+    wmask), over the K // 32 groups of the reduction, is <= 128, so that one factor per value
+    (e8m0_bf16_factor) scales exactly. One pass over the program's scale rows before its K
+    loop (GB groups per load); a scalar, the same for every thread of the program."""
+    offs_g = tl.arange(0, GB)
+    n_groups = K // 32
+    m = tl.zeros((s_rows.shape[0], GB), tl.int32)
+    for g0 in range(0, n_groups, GB):
+        sc = tl.load(s_rows[:, None] + (g0 + offs_g)[None, :] * stride_sk,
+                     mask=wmask[:, None] & (g0 + offs_g < n_groups)[None, :], other=0)
+        m = tl.maximum(m, sc.to(tl.int32))
+    return tl.max(tl.max(m, axis=1), axis=0) <= 128
+
+
+@triton.jit
 def per_value(f, BN: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BN, BLOCK_K // 32] per-group factors broadcast to the tile's [BN, BLOCK_K] values."""
     return tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BLOCK_K // 32, 32)), (BN, BLOCK_K))
@@ -175,15 +199,37 @@ mul.rn.bf16x2 $0, y, $3;
 }""")
 
 
+# _MXFP4_PAIR_ASM with one factor $2 (e8m0_bf16_factor)
+_MXFP4_PAIR1_ASM = tl.constexpr("""{
+.reg .b32 t, x, y, z;
+cvt.u32.u16 t, $1;
+mul.lo.u32 x, t, 65552;
+shl.b32 y, x, 2;
+shl.b32 z, x, 8;
+and.b32 z, z, 0x80008000;
+and.b32 y, y, 0x01C001C0;
+or.b32 y, y, z;
+mul.rn.bf16x2 $0, y, $2;
+}""")
+
+
 @triton.jit
-def mxfp4_tile_asm(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr):
+def mxfp4_tile_asm(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr, ONE: tl.constexpr = False):
     """mxfp4_tile_bits' values and arithmetic (bf16 only), in inline PTX over bf16x2 pairs:
-    one byte gives one register of the MMA operand, with packed multiplications."""
-    f1, f2 = e8m0_bf16_factors(sc)
+    one byte gives one register of the MMA operand, with packed multiplications. ONE (every
+    scale byte <= 128: scales_at_most_128): one multiplication per pair by 2^(s - 1)
+    (e8m0_bf16_factor) instead of two, the same products (the second factor is 1 there)."""
     p2 = tl.reshape(tl.join(p, tl.zeros_like(p)), (BN, BLOCK_K))
-    return tl.inline_asm_elementwise(_MXFP4_PAIR_ASM, "=r,h,r,r",
-                                     [p2, per_value(f1, BN, BLOCK_K), per_value(f2, BN, BLOCK_K)],
-                                     dtype=tl.bfloat16, is_pure=True, pack=2)
+    if ONE:
+        v = tl.inline_asm_elementwise(_MXFP4_PAIR1_ASM, "=r,h,r",
+                                      [p2, per_value(e8m0_bf16_factor(sc), BN, BLOCK_K)],
+                                      dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        f1, f2 = e8m0_bf16_factors(sc)
+        v = tl.inline_asm_elementwise(_MXFP4_PAIR_ASM, "=r,h,r,r",
+                                      [p2, per_value(f1, BN, BLOCK_K), per_value(f2, BN, BLOCK_K)],
+                                      dtype=tl.bfloat16, is_pure=True, pack=2)
+    return v
 
 
 # Four bf16x2 registers from one 32-bit word of the mma layout (moe_ops.mxfp4_layout: eight
@@ -214,6 +260,10 @@ mul.rn.bf16x2 $0, t, $3;
 }""")
 
 
+# v * f over bf16x2 pairs (one packed multiplication)
+_BF16X2_MUL1_ASM = tl.constexpr("mul.rn.bf16x2 $0, $1, $2;")
+
+
 @triton.jit
 def _mma_words_f32(p, R: tl.constexpr, W: tl.constexpr):
     """The interpreter's form of _MXFP4_MMA_WORD_ASM: [R, 4W] bytes -> [R, 8W] float32 values of
@@ -232,14 +282,17 @@ def _mma_words_f32(p, R: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def mxfp4_mma_tile(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+def mxfp4_mma_tile(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+                   ONE: tl.constexpr = False):
     """[BN, BLOCK_K] values of a weight tile in the mma layout (moe_ops.mxfp4_layout):
     p [BN // 4, 2 * BLOCK_K] its storage bytes (each row four tile rows of one 16-row group, each
     128-byte chunk 64 values), sc [BN, BLOCK_K // 32] the e8m0 bytes. ASM (GPU, bfloat16): the
     words decoded by shifts and masks in inline PTX and scaled by two packed multiplications,
     the same values and roundings as mxfp4_tile_asm; else float32 arithmetic (the interpreter).
     The reshape and permutation that restore the tile order move no data when each thread's
-    loaded bytes are its MMA operand registers, which the layout is made for."""
+    loaded bytes are its MMA operand registers, which the layout is made for. ONE (ASM, every
+    scale byte <= 128): one multiplication by 2^(s - 1) (e8m0_bf16_factor) instead of two, the
+    same products."""
     R: tl.constexpr = BN // 4
     if ASM:
         r0, r1 = tl.inline_asm_elementwise(_MXFP4_MMA_WORD_ASM, "=r,=r,=r,=r,r", [p],
@@ -253,10 +306,16 @@ def mxfp4_mma_tile(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.const
     u = tl.reshape(u, (BN // 16, 4, BLOCK_K // 64, 2, 4, 8, 2, 2))
     v = tl.reshape(tl.permute(u, (0, 6, 1, 3, 2, 5, 4, 7)), (BN, BLOCK_K))
     if ASM:
-        f1, f2 = e8m0_bf16_factors(sc)
-        v = tl.inline_asm_elementwise(_BF16X2_MUL2_ASM, "=r,r,r,r",
-                                      [v, per_value(f1, BN, BLOCK_K), per_value(f2, BN, BLOCK_K)],
-                                      dtype=tl.bfloat16, is_pure=True, pack=2)
+        if ONE:
+            v = tl.inline_asm_elementwise(_BF16X2_MUL1_ASM, "=r,r,r",
+                                          [v, per_value(e8m0_bf16_factor(sc), BN, BLOCK_K)],
+                                          dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            f1, f2 = e8m0_bf16_factors(sc)
+            v = tl.inline_asm_elementwise(_BF16X2_MUL2_ASM, "=r,r,r,r",
+                                          [v, per_value(f1, BN, BLOCK_K),
+                                           per_value(f2, BN, BLOCK_K)],
+                                          dtype=tl.bfloat16, is_pure=True, pack=2)
     else:
         v = tl.reshape(tl.reshape(v, (BN, BLOCK_K // 32, 32)) * e8m0_decode(sc)[:, :, None],
                        (BN, BLOCK_K))
@@ -359,7 +418,8 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
                 WFMT: tl.constexpr, QUANT_A: tl.constexpr, EMULATE: tl.constexpr,
                 BLOCK_K: tl.constexpr, SCALAR_SCALE: tl.constexpr = False,
                 BIT_DECODE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
-                EVEN_K: tl.constexpr = False, sc=0, MMA_LAYOUT: tl.constexpr = False):
+                EVEN_K: tl.constexpr = False, sc=0, MMA_LAYOUT: tl.constexpr = False,
+                ONE: tl.constexpr = False):
     """(b [BLOCK_K, BLOCK_N], per-column scale [BLOCK_N] float32) of reduction columns
     k0..k0+BLOCK_K of the weight rows starting at the pointers `w_rows` (masked by wmask), whose
     scales start at `s_rows` (FP8: the row's [bn, bk] block row; MXFP4: the row's scales). FP8:
@@ -370,7 +430,8 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
     [BLOCK_N, BLOCK_K], the left operand of the transposed product (mma_step). `sc`
     (FP8, MXFP4): the step's weight scales, loaded by the caller (step_scales). MMA_LAYOUT
     (MXFP4, SWAP_AB, contiguous weights in moe_ops.mxfp4_layout's order): `w_rows` are the
-    BN // 4 storage rows of the tile (mma_rows) and wmask theirs; decoded by mxfp4_mma_tile."""
+    BN // 4 storage rows of the tile (mma_rows) and wmask theirs; decoded by mxfp4_mma_tile.
+    ONE (MXFP4, inline PTX decode, every scale byte <= 128): as mxfp4_mma_tile's."""
     if WFMT == 1:
         offs_k = tl.arange(0, BLOCK_K)
         k_mask = k_in_range(offs_k, K - k0, EVEN_K)
@@ -392,7 +453,8 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
         c_mask = k_in_range((offs_c // 128) * 64, K - k0, EVEN_K)
         p = tl.load(w_rows[:, None] + (2 * k0 + offs_c)[None, :],
                     mask=wmask[:, None] & c_mask[None, :], other=0)
-        b = mxfp4_mma_tile(p, sc, 4 * BN4, BLOCK_K, BIT_DECODE == 2).to(OP_DTYPE)
+        b = mxfp4_mma_tile(p, sc, 4 * BN4, BLOCK_K, BIT_DECODE == 2,
+                           ONE).to(OP_DTYPE)
         if not SWAP_AB:
             b = tl.trans(b)
         scale = tl.full((4 * BN4,), 1.0, tl.float32)
@@ -404,7 +466,7 @@ def weight_tile(w_rows, s_rows, wmask, k0, K, stride_wk, stride_sk, OP_DTYPE: tl
         p = tl.load(w_rows[:, None] + (k0 // 2 + offs_p)[None, :] * stride_wk,
                     mask=wmask[:, None] & p_mask[None, :], other=0)
         if BIT_DECODE == 2:
-            v = mxfp4_tile_asm(p, sc, BN, BLOCK_K)
+            v = mxfp4_tile_asm(p, sc, BN, BLOCK_K, ONE)
         elif BIT_DECODE:
             v = mxfp4_tile_bits(p, sc, BN, BLOCK_K, OP_DTYPE)
         else:
@@ -531,6 +593,61 @@ def _rows(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr, stride_ik, n_ex
 
 
 @triton.jit
+def gate_up_k_loop(acc_g, acc_u, a_ptrs, g_w, g_s, g_wm, g_mask, u_w, u_s, u_wm, n_mask, offs_k,
+                   row_valid, tok, tw, xs_ptr, stride_xs, H, stride_xh, stride_wk, stride_sk,
+                   WFMT: tl.constexpr, QUANT_A: tl.constexpr, WEIGHTS_ON_INPUT: tl.constexpr,
+                   EMULATE: tl.constexpr, OP_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   BLOCK_K: tl.constexpr, A_PREQUANT: tl.constexpr, SCALAR_SCALE: tl.constexpr,
+                   BIT_DECODE: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
+                   PREFETCH_SCALES: tl.constexpr, STACK_GU: tl.constexpr,
+                   MMA_LAYOUT: tl.constexpr, ONE: tl.constexpr):
+    """quant_gate_up_kernel's K loop: (acc_g, acc_u) after every K step of H (acc_u unchanged
+    with STACK_GU). ONE: the MXFP4 decode's one-factor form (weight_tile). The weight scales
+    (and W8A8's activation scales) of each K step are loaded one step ahead with
+    PREFETCH_SCALES (step_scales)."""
+    sc_g = 0
+    sc_u = 0
+    xs = 0
+    if PREFETCH_SCALES:
+        sc_g = step_scales(g_s, g_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
+        if not STACK_GU:
+            sc_u = step_scales(u_s, n_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
+        if A_PREQUANT:
+            xs = group_scales(xs_ptr + tok * stride_xs, row_valid, 0, H, BLOCK_K, False)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = k_in_range(offs_k, H - k0, EVEN_K)
+        sc_g_now, sc_g = scales_at_step(g_s, g_mask, sc_g, k0, H, stride_sk, BLOCK_K, WFMT,
+                                        SCALAR_SCALE, PREFETCH_SCALES)
+        sc_u_now = sc_u
+        if not STACK_GU:
+            sc_u_now, sc_u = scales_at_step(u_s, n_mask, sc_u, k0, H, stride_sk, BLOCK_K,
+                                            WFMT, SCALAR_SCALE, PREFETCH_SCALES)
+        if A_PREQUANT:
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+            if PREFETCH_SCALES:
+                a_scale = xs
+                xs = group_scales(xs_ptr + tok * stride_xs, row_valid, k0, H, BLOCK_K, True)
+            else:
+                a_scale = group_scales(xs_ptr + tok * stride_xs, row_valid, k0, H, BLOCK_K, False)
+        else:
+            a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A, WEIGHTS_ON_INPUT,
+                                OP_DTYPE, EMULATE)
+        bg, sg = weight_tile(g_w, g_s, g_wm, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
+                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K,
+                             sc_g_now, MMA_LAYOUT, ONE)
+        acc_g = mma_step(acc_g, a, a_scale, bg, sg, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
+                         SWAP_AB)
+        if not STACK_GU:
+            bu, su = weight_tile(u_w, u_s, u_wm, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
+                                 QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,
+                                 EVEN_K, sc_u_now, MMA_LAYOUT, ONE)
+            acc_u = mma_step(acc_u, a, a_scale, bu, su, WFMT, QUANT_A, DOT_PRECISION,
+                             SCALAR_SCALE, SWAP_AB)
+        a_ptrs += BLOCK_K * stride_xh
+    return acc_g, acc_u
+
+
+@triton.jit
 def quant_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, tw_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     n_slots, H, I, top_k, n_row_blocks, scale_bn, alpha, limit,
@@ -546,8 +663,12 @@ def quant_gate_up_kernel(
     ACT_F32: tl.constexpr = False, EVEN_K: tl.constexpr = False,
     PREFETCH_SCALES: tl.constexpr = False, STACK_GU: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, MMA_LAYOUT: tl.constexpr = False,
+    ONE_FACTOR: tl.constexpr = False,
 ):
-    """MMA_LAYOUT (MXFP4 with SWAP_AB; with INTERLEAVED only stacked): w13 in
+    """ONE_FACTOR (MXFP4, inline PTX decode): the program reads its scale rows once before the
+    K loop (scales_at_most_128) and, where every byte is <= 128, scales each decoded pair by one
+    multiplication instead of two; the same values.
+    MMA_LAYOUT (MXFP4 with SWAP_AB; with INTERLEAVED only stacked): w13 in
     moe_ops.mxfp4_layout's order, each tile read by storage rows (mma_rows).
     STACK_GU (MXFP4 with SWAP_AB): the tile's gate and up rows are one [2 * BLOCK_N,
     BLOCK_K] decoded tile (with gate_up_interleaved, 2 * BLOCK_N consecutive rows of w13) and
@@ -630,47 +751,33 @@ def quant_gate_up_kernel(
             offs_q = tl.arange(0, BLOCK_N // 4)
             g_w, g_wm = mma_rows(w_e, n0, offs_q, I - n0, stride_wn)
             u_w, u_wm = mma_rows(w_e, I + n0, offs_q, I - n0, stride_wn)
-    # the weight scales (and W8A8's activation scales) of each K step, loaded one step ahead
-    # with PREFETCH_SCALES (step_scales)
-    sc_g = 0
-    sc_u = 0
-    xs = 0
-    if PREFETCH_SCALES:
-        sc_g = step_scales(g_s, g_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
+    if STACK_GU:
+        acc_u = acc_g   # (a placeholder: the stacked loop leaves it unchanged)
+    if ONE_FACTOR:   # one K loop per scale range, chosen once per program
+        one = scales_at_most_128(g_s, g_mask, H, stride_sk, 32)
         if not STACK_GU:
-            sc_u = step_scales(u_s, n_mask, 0, H, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
-        if A_PREQUANT:
-            xs = group_scales(xs_ptr + tok * stride_xs, row_valid, 0, H, BLOCK_K, False)
-    for k0 in range(0, H, BLOCK_K):
-        k_mask = k_in_range(offs_k, H - k0, EVEN_K)
-        sc_g_now, sc_g = scales_at_step(g_s, g_mask, sc_g, k0, H, stride_sk, BLOCK_K, WFMT,
-                                        SCALAR_SCALE, PREFETCH_SCALES)
-        sc_u_now = sc_u
-        if not STACK_GU:
-            sc_u_now, sc_u = scales_at_step(u_s, n_mask, sc_u, k0, H, stride_sk, BLOCK_K,
-                                            WFMT, SCALAR_SCALE, PREFETCH_SCALES)
-        if A_PREQUANT:
-            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-            if PREFETCH_SCALES:
-                a_scale = xs
-                xs = group_scales(xs_ptr + tok * stride_xs, row_valid, k0, H, BLOCK_K, True)
-            else:
-                a_scale = group_scales(xs_ptr + tok * stride_xs, row_valid, k0, H, BLOCK_K, False)
+            one = one & scales_at_most_128(u_s, n_mask, H, stride_sk, 32)
+        if one:
+            acc_g, acc_u = gate_up_k_loop(
+                acc_g, acc_u, a_ptrs, g_w, g_s, g_wm, g_mask, u_w, u_s, u_wm, n_mask, offs_k,
+                row_valid, tok, tw, xs_ptr, stride_xs, H, stride_xh, stride_wk, stride_sk, WFMT,
+                QUANT_A, WEIGHTS_ON_INPUT, EMULATE, OP_DTYPE, DOT_PRECISION, BLOCK_K,
+                A_PREQUANT, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K, PREFETCH_SCALES,
+                STACK_GU, MMA_LAYOUT, True)
         else:
-            a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, QUANT_A, WEIGHTS_ON_INPUT,
-                                OP_DTYPE, EMULATE)
-        bg, sg = weight_tile(g_w, g_s, g_wm, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                             QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K,
-                             sc_g_now, MMA_LAYOUT)
-        acc_g = mma_step(acc_g, a, a_scale, bg, sg, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
-                         SWAP_AB)
-        if not STACK_GU:
-            bu, su = weight_tile(u_w, u_s, u_wm, k0, H, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                                 QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,
-                                 EVEN_K, sc_u_now, MMA_LAYOUT)
-            acc_u = mma_step(acc_u, a, a_scale, bu, su, WFMT, QUANT_A, DOT_PRECISION,
-                             SCALAR_SCALE, SWAP_AB)
-        a_ptrs += BLOCK_K * stride_xh
+            acc_g, acc_u = gate_up_k_loop(
+                acc_g, acc_u, a_ptrs, g_w, g_s, g_wm, g_mask, u_w, u_s, u_wm, n_mask, offs_k,
+                row_valid, tok, tw, xs_ptr, stride_xs, H, stride_xh, stride_wk, stride_sk, WFMT,
+                QUANT_A, WEIGHTS_ON_INPUT, EMULATE, OP_DTYPE, DOT_PRECISION, BLOCK_K,
+                A_PREQUANT, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K, PREFETCH_SCALES,
+                STACK_GU, MMA_LAYOUT, False)
+    else:
+        acc_g, acc_u = gate_up_k_loop(
+            acc_g, acc_u, a_ptrs, g_w, g_s, g_wm, g_mask, u_w, u_s, u_wm, n_mask, offs_k,
+            row_valid, tok, tw, xs_ptr, stride_xs, H, stride_xh, stride_wk, stride_sk, WFMT,
+            QUANT_A, WEIGHTS_ON_INPUT, EMULATE, OP_DTYPE, DOT_PRECISION, BLOCK_K,
+            A_PREQUANT, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K, PREFETCH_SCALES,
+            STACK_GU, MMA_LAYOUT, False)
     if USE_PDL:
         gdc_launch_dependents()
     if STACK_GU:
@@ -699,6 +806,47 @@ def quant_gate_up_kernel(
 
 
 @triton.jit
+def down_k_loop(acc, a_ptrs, w_n, s_n, w_m, n_mask, offs_k, rows, row_valid, tw, act_scale_ptr,
+                stride_as, I, stride_wk, stride_sk, WFMT: tl.constexpr, QUANT_A: tl.constexpr,
+                EMULATE: tl.constexpr, OP_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                BLOCK_K: tl.constexpr, SCALAR_SCALE: tl.constexpr, BIT_DECODE: tl.constexpr,
+                SWAP_AB: tl.constexpr, QUANT_GATHER: tl.constexpr, EVEN_K: tl.constexpr,
+                PREFETCH_SCALES: tl.constexpr, MMA_LAYOUT: tl.constexpr, ONE: tl.constexpr):
+    """quant_down_kernel's K loop: acc after every K step of I. Each K step's scales are loaded
+    one step ahead with PREFETCH_SCALES (step_scales). ONE: as gate_up_k_loop's."""
+    sc = 0
+    xs = 0
+    if PREFETCH_SCALES:
+        sc = step_scales(s_n, n_mask, 0, I, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
+        if QUANT_A and not QUANT_GATHER:
+            xs = group_scales(act_scale_ptr + rows * stride_as, row_valid, 0, I, BLOCK_K, False)
+    for k0 in range(0, I, BLOCK_K):
+        k_mask = k_in_range(offs_k, I - k0, EVEN_K)
+        sc_now, sc = scales_at_step(s_n, n_mask, sc, k0, I, stride_sk, BLOCK_K, WFMT,
+                                    SCALAR_SCALE, PREFETCH_SCALES)
+        if QUANT_GATHER:   # float32 act, quantized here
+            a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, True, False, OP_DTYPE, EMULATE)
+        elif QUANT_A:   # act was quantized by the gate+up kernel: e4m3 tile and row scales
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
+            if PREFETCH_SCALES:
+                a_scale = xs
+                xs = group_scales(act_scale_ptr + rows * stride_as, row_valid, k0, I, BLOCK_K,
+                                  True)
+            else:
+                a_scale = group_scales(act_scale_ptr + rows * stride_as, row_valid, k0, I,
+                                       BLOCK_K, False)
+        else:
+            a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, False, False, OP_DTYPE, EMULATE)
+        b, sb = weight_tile(w_n, s_n, w_m, k0, I, stride_wk, stride_sk, OP_DTYPE, WFMT,
+                            QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K,
+                            sc_now, MMA_LAYOUT, ONE)
+        acc = mma_step(acc, a, a_scale, b, sb, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
+                       SWAP_AB)
+        a_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
 def quant_down_kernel(
     act_ptr, w_ptr, s_ptr, bias_ptr, tw_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
     n_slots, H, I, top_k, n_row_blocks, scale_bn,
@@ -713,8 +861,9 @@ def quant_down_kernel(
     SWAP_AB: tl.constexpr = False, QUANT_GATHER: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, PREFETCH_SCALES: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, MMA_LAYOUT: tl.constexpr = False,
+    ONE_FACTOR: tl.constexpr = False,
 ):
-    """MMA_LAYOUT: as quant_gate_up_kernel's (w2 in moe_ops.mxfp4_layout's order).
+    """MMA_LAYOUT, ONE_FACTOR: as quant_gate_up_kernel's (w2 in moe_ops.mxfp4_layout's order).
     QUANT_GATHER (W8A8): act is the gate+up kernel's float32 output (ACT_F32), quantized
     here per row and bk columns (BLOCK_K == bk) by the epilogue's arithmetic: the same e4m3
     values and scales, computed once per N tile instead of once per row. USE_PDL: as
@@ -748,36 +897,22 @@ def quant_down_kernel(
     if MMA_LAYOUT:
         w_n, w_m = mma_rows(w_ptr + e * stride_we, pid_n * BLOCK_N, tl.arange(0, BLOCK_N // 4),
                             H - pid_n * BLOCK_N, stride_wn)
-    # each K step's scales, one step ahead with PREFETCH_SCALES (step_scales)
-    sc = 0
-    xs = 0
-    if PREFETCH_SCALES:
-        sc = step_scales(s_n, n_mask, 0, I, stride_sk, BLOCK_K, WFMT, SCALAR_SCALE)
-        if QUANT_A and not QUANT_GATHER:
-            xs = group_scales(act_scale_ptr + rows * stride_as, row_valid, 0, I, BLOCK_K, False)
-    for k0 in range(0, I, BLOCK_K):
-        k_mask = k_in_range(offs_k, I - k0, EVEN_K)
-        sc_now, sc = scales_at_step(s_n, n_mask, sc, k0, I, stride_sk, BLOCK_K, WFMT,
-                                    SCALAR_SCALE, PREFETCH_SCALES)
-        if QUANT_GATHER:   # float32 act, quantized here
-            a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, True, False, OP_DTYPE, EMULATE)
-        elif QUANT_A:   # act was quantized by the gate+up kernel: e4m3 tile and row scales
-            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-            if PREFETCH_SCALES:
-                a_scale = xs
-                xs = group_scales(act_scale_ptr + rows * stride_as, row_valid, k0, I, BLOCK_K,
-                                  True)
-            else:
-                a_scale = group_scales(act_scale_ptr + rows * stride_as, row_valid, k0, I,
-                                       BLOCK_K, False)
+    if ONE_FACTOR:   # one K loop per scale range, chosen once per program
+        if scales_at_most_128(s_n, n_mask, I, stride_sk, 32):
+            acc = down_k_loop(acc, a_ptrs, w_n, s_n, w_m, n_mask, offs_k, rows, row_valid, tw,
+                act_scale_ptr, stride_as, I, stride_wk, stride_sk, WFMT, QUANT_A, EMULATE,
+                OP_DTYPE, DOT_PRECISION, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,
+                QUANT_GATHER, EVEN_K, PREFETCH_SCALES, MMA_LAYOUT, True)
         else:
-            a, a_scale = load_a(a_ptrs, row_valid, k_mask, tw, False, False, OP_DTYPE, EMULATE)
-        b, sb = weight_tile(w_n, s_n, w_m, k0, I, stride_wk, stride_sk, OP_DTYPE, WFMT,
-                            QUANT_A, EMULATE, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K,
-                            sc_now, MMA_LAYOUT)
-        acc = mma_step(acc, a, a_scale, b, sb, WFMT, QUANT_A, DOT_PRECISION, SCALAR_SCALE,
-                       SWAP_AB)
-        a_ptrs += BLOCK_K
+            acc = down_k_loop(acc, a_ptrs, w_n, s_n, w_m, n_mask, offs_k, rows, row_valid, tw,
+                act_scale_ptr, stride_as, I, stride_wk, stride_sk, WFMT, QUANT_A, EMULATE,
+                OP_DTYPE, DOT_PRECISION, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,
+                QUANT_GATHER, EVEN_K, PREFETCH_SCALES, MMA_LAYOUT, False)
+    else:
+        acc = down_k_loop(acc, a_ptrs, w_n, s_n, w_m, n_mask, offs_k, rows, row_valid, tw,
+            act_scale_ptr, stride_as, I, stride_wk, stride_sk, WFMT, QUANT_A, EMULATE,
+            OP_DTYPE, DOT_PRECISION, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,
+            QUANT_GATHER, EVEN_K, PREFETCH_SCALES, MMA_LAYOUT, False)
     if USE_PDL:
         gdc_launch_dependents()
     if SWAP_AB:

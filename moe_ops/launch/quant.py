@@ -84,6 +84,11 @@ class QuantDispatchConfig:
     # MXFP4 gpt-oss-20b T=1 75.8 -> 79.7 us (0.95x), T=8..2048 1.00x: the MXFP4 heuristics
     # turn it off
     dependent_launch: bool = True
+    # MXFP4 with the inline-PTX decode: each GEMM program reads its scale rows once before its K
+    # loop and, where every e8m0 byte is <= 128 (scales up to 2: checkpoints' weights), scales
+    # each decoded pair by one packed multiplication (2^(s - 1)) instead of two; the same values.
+    # Off until measured on a GPU
+    mxfp4_one_factor: bool = False
 
 
 def has_dot_scaled() -> bool:
@@ -281,6 +286,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
                   and op_dtype == tl.bfloat16)
     if bit_decode and cfg.mxfp4_asm_decode and _features.inline_ptx(dev):
         bit_decode = 2
+    one_factor = bit_decode == 2 and cfg.mxfp4_one_factor
     common = dict(WFMT=wfmt, QUANT_A=quant_a, EMULATE=emulate, OP_DTYPE=op_dtype,
                   DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
                   GROUP_M=group_m, DIRECT=direct, num_warps=cfg.num_warps,
@@ -315,7 +321,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         BLOCK_N=cfg.block_n1, A_PREQUANT=prequant, SCALAR_SCALE=scalar13, ACT_F32=act_f32,
         EVEN_K=H % cfg.block_k == 0,
         STACK_GU=bool(common["SWAP_AB"] and cfg.mxfp4_stacked_gate_up), MMA_LAYOUT=mma,
-        **common,
+        ONE_FACTOR=one_factor, **common,
     )
     fk = launch_key(key and (key, "down"), *bufs)
     kernel_for(quant_down_kernel, dev, fk)[(n_blocks * cdiv(H, cfg.block_n2),)](
@@ -327,7 +333,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         act_scale, act_scale.stride(0), *rows_args.values(),
         HAS_BIAS=w2_bias is not None, HAS_WEIGHTS=not weights_on_input,
         BLOCK_N=cfg.block_n2, SCALAR_SCALE=scalar2, QUANT_GATHER=act_f32,
-        EVEN_K=I % cfg.block_k == 0, MMA_LAYOUT=mma,
+        EVEN_K=I % cfg.block_k == 0, MMA_LAYOUT=mma, ONE_FACTOR=one_factor,
         **common,
     )
     if inter != out.dtype:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from conftest import needs_interpreter, rel_err
+from conftest import RTOL, needs_interpreter, rel_err
 
 import moe_ops
 from moe_ops.launch._common import kernel_for
@@ -1101,3 +1101,66 @@ def test_op_mxfp4_mma_layout(request, path):
     fa, fkw = fp8_inputs(2, 128, 64, 4, 2)
     with pytest.raises(ValueError, match="mxfp4_layout='mma' applies to MXFP4"):
         moe_ops.dispatch(*fa, **fkw, mxfp4_layout="mma")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mxfp4_dequantize_triton(interpreter, dtype):
+    """launch.quant.dequantize_mxfp4_triton (the decode of QuantDispatchConfig.mxfp4_dequant_rows)
+    gives the reference dequantization's values bit for bit, from the plain and the mma layout,
+    with e8m0 bytes at the edges (0 and 1: subnormal factors; 128/129: the two-factor boundary;
+    255: inf, NaN for code 0) and N, K that are not multiples of the 64-wide tiles."""
+    from moe_ops.launch.quant import dequantize_mxfp4_triton
+    from moe_ops.mxfp4_layout import swizzle_mxfp4
+
+    g = torch.Generator().manual_seed(_seed())
+    for E, N, K, mma in ((3, 80, 96, False), (2, 128, 192, True)):
+        b = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
+        s = torch.randint(110, 135, (E, N, K // 32), generator=g, dtype=torch.uint8)
+        edges = torch.tensor([0, 1, 2, 127, 128, 129, 255], dtype=torch.uint8)
+        s.view(-1)[::5] = edges[torch.randint(0, len(edges), (s.numel() // 5 + 1,),
+                                              generator=g)][:s.view(-1)[::5].numel()]
+        if dtype == torch.float16:
+            s.clamp_(112, 135)   # float16's range: 2^-14 .. 2^15 (subnormals to 2^-24)
+        ref = torch.stack([dequantize_mxfp4(b[e], s[e], torch.float32) for e in range(E)])
+        got = dequantize_mxfp4_triton(swizzle_mxfp4(b) if mma else b, s, dtype, mma=mma)
+        assert got.dtype == dtype and got.shape == (E, N, K)
+        want = ref.to(dtype)
+        same = (got == want) | (got.isnan() & want.isnan())
+        assert same.all(), (mma, int((~same).sum()), got[~same][:4], want[~same][:4])
+
+
+@pytest.mark.parametrize("layout", ["plain", "mma"])
+def test_mxfp4_dequant_rows_path(interpreter, layout, monkeypatch):
+    """QuantDispatchConfig.mxfp4_dequant_rows: from that many slots per expert the call decodes
+    the experts once and runs the 16-bit expert kernels (gpt-oss's variant: biases, swiglu_oai,
+    interleaved rows, a dropped id), matching the reference and the fused kernels; below it,
+    or with the buffer over MXFP4_DEQUANT_MAX_BYTES, the fused kernels run."""
+    import dataclasses
+
+    import moe_ops.launch.dispatch as bf16_dispatch
+    from moe_ops.launch import quant
+    from moe_ops.mxfp4_layout import swizzle_mxfp4
+
+    calls = []
+    real = bf16_dispatch.dispatch_triton
+    monkeypatch.setattr(bf16_dispatch, "dispatch_triton",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    T, H, I, E, K = 9, 128, 64, 4, 2
+    args, kw, biases = mxfp4_inputs(T, H, I, E, K, dtype=torch.bfloat16, routing="negative")
+    kw = dict(kw, activation="swiglu_oai", gate_up_interleaved=True, **biases)
+    ref = quantized_dispatch_reference(*args, **kw)
+    if layout == "mma":
+        args = (args[0], swizzle_mxfp4(args[1]), swizzle_mxfp4(args[2]), *args[3:])
+        kw["mxfp4_layout"] = "mma"
+    base = quant.quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cpu")
+    fused = dispatch_quantized(*args, **kw, config=base)
+    assert not calls
+    cfg = dataclasses.replace(base, mxfp4_dequant_rows=T * K // E)
+    out = dispatch_quantized(*args, **kw, config=cfg, out=_poisoned(args[0]))
+    assert len(calls) == 1
+    assert rel_err(out, ref) < RTOL[torch.bfloat16]
+    assert rel_err(out, fused.double()) < 5e-3
+    dispatch_quantized(*args, **kw, config=dataclasses.replace(cfg, mxfp4_dequant_rows=T * K))
+    monkeypatch.setattr(quant, "MXFP4_DEQUANT_MAX_BYTES", 3 * E * H * I * 2 - 1)
+    dispatch_quantized(*args, **kw, config=cfg)
+    assert len(calls) == 1

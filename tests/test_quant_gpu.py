@@ -560,3 +560,36 @@ def test_mxfp4_one_factor_bit_equal(T, big):
                            out=out)
         assert torch.isfinite(ref).all(), layout
         assert torch.equal(out, ref), layout
+
+
+@pytest.mark.parametrize("T", [2048, 8192])
+def test_mxfp4_dequant_rows_bit_equal(T):
+    """QuantDispatchConfig.mxfp4_dequant_rows (the experts decoded once, then the bf16 expert
+    kernels) gives the fused kernels' outputs bit for bit at gpt-oss-20b, plain and mma layouts,
+    with e8m0 edge bytes in the scales; its decoded weights are the reference's values."""
+    import dataclasses
+
+    from moe_ops.launch.quant import dequantize_mxfp4_triton, quant_dispatch_config
+    from moe_ops.mxfp4_layout import swizzle_mxfp4
+    from moe_ops.reference.quant import dequantize_mxfp4
+
+    E, K, H, I = SHAPES["gpt_oss_20b"]
+    hidden, b13, b2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 1300 + T)
+    g = torch.Generator(device=DEV).manual_seed(1400 + T)
+    edges = torch.tensor([0, 1, 2, 127, 128, 129, 131], dtype=torch.uint8, device=DEV)
+    for s in (kw["w13_scale"], kw["w2_scale"]):
+        pick = torch.rand(s.shape, device=DEV, generator=g) < 0.01
+        s[pick] = edges[torch.randint(0, len(edges), (int(pick.sum()),), device=DEV,
+                                      generator=g)]
+    cfg = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda")
+    deq = dataclasses.replace(cfg, mxfp4_dequant_rows=1)
+    d2 = dequantize_mxfp4_triton(swizzle_mxfp4(b2), kw["w2_scale"], torch.bfloat16, mma=True)
+    for e in (0, E - 1):
+        assert torch.equal(d2[e], dequantize_mxfp4(b2[e], kw["w2_scale"][e], torch.bfloat16))
+    for layout, w13, w2 in (("plain", b13, b2), ("mma", swizzle_mxfp4(b13), swizzle_mxfp4(b2))):
+        ref = dispatch_quantized(hidden, w13, w2, tw, ids, **kw, config=cfg, mxfp4_layout=layout)
+        out = torch.full_like(ref, float("nan"))
+        dispatch_quantized(hidden, w13, w2, tw, ids, **kw, config=deq, mxfp4_layout=layout,
+                           out=out)
+        assert torch.isfinite(ref).all(), layout
+        assert torch.equal(out, ref), (layout, rel_err(out, ref.double()))

@@ -951,3 +951,37 @@ def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, stride_xh, stri
     tl.store(q_ptr + rows64[:, None] * stride_qt + cols[None, :], q.to(q_ptr.dtype.element_ty),
              mask=mask)
     tl.store(s_ptr + rows64 * stride_st + tl.program_id(1), scale, mask=r_mask)
+
+
+@triton.jit
+def mxfp4_dequant_kernel(w_ptr, s_ptr, d_ptr, N, K, stride_we, stride_wn, stride_wk, stride_se,
+                         stride_sn, stride_sk, stride_de, stride_dn,
+                         OP_DTYPE: tl.constexpr, EMULATE: tl.constexpr, BN: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BIT_DECODE: tl.constexpr,
+                         EVEN_K: tl.constexpr, MMA_LAYOUT: tl.constexpr):
+    """MXFP4 weights [E, N, K/2] (plain or mma layout) and their e8m0 scales -> d [E, N, K] in
+    d's dtype, decoded by the GEMM kernels' own tile decode (weight_tile, transposed form: the
+    same functions, so the same values as the fused kernels multiply). Grid (cdiv(N, BN),
+    cdiv(K, BLOCK_K), E)."""
+    pid_n = tl.program_id(0)
+    k0 = tl.program_id(1) * BLOCK_K
+    e = tl.program_id(2).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_mask = offs_n < N
+    offs_n64 = offs_n.to(tl.int64)
+    w_e = w_ptr + e * stride_we
+    s_rows = s_ptr + e * stride_se + offs_n64 * stride_sn
+    sc = mxfp4_scales(s_rows, n_mask, k0, K, stride_sk, BLOCK_K)
+    if MMA_LAYOUT:
+        w_rows, w_m = mma_rows(w_e, pid_n * BN, tl.arange(0, BN // 4), N - pid_n * BN, stride_wn)
+    else:
+        w_rows, w_m = w_e + offs_n64 * stride_wn, n_mask
+    b, _ = weight_tile(w_rows, s_rows, w_m, k0, K, stride_wk, stride_sk, OP_DTYPE, 2, False,
+                       EMULATE, BLOCK_K, False, BIT_DECODE, True, EVEN_K, sc, MMA_LAYOUT)
+    if EMULATE and d_ptr.dtype.element_ty == tl.bfloat16:
+        # the float32 values are bf16 values (at most two significant bits): their top 16
+        # bits, as the interpreter's own conversion loses float32 subnormals (scale byte 0)
+        b = (b.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(d_ptr + e * stride_de + offs_n64[:, None] * stride_dn + offs_k[None, :],
+             b.to(d_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])

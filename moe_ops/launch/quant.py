@@ -14,6 +14,7 @@ import triton.language as tl
 from moe_ops import _features
 from moe_ops._runtime import cdiv, next_pow2
 from moe_ops.kernels.quant_gemm import (
+    mxfp4_dequant_kernel,
     quant_down_kernel,
     quant_gate_up_kernel,
     quantize_groups_kernel,
@@ -84,11 +85,23 @@ class QuantDispatchConfig:
     # MXFP4 gpt-oss-20b T=1 75.8 -> 79.7 us (0.95x), T=8..2048 1.00x: the MXFP4 heuristics
     # turn it off
     dependent_launch: bool = True
+    # MXFP4 at prefill: from this many slots per expert (T * K / E; 0: never), the call decodes
+    # the experts' weights once into a 16-bit buffer (mxfp4_dequant_kernel: the GEMM kernels'
+    # own tile decode, so the same values) and runs the bf16/fp16 expert kernels on it
+    # (launch.dispatch.dispatch_triton) instead of decoding every weight tile once per row
+    # block. Skipped where that buffer would pass MXFP4_DEQUANT_MAX_BYTES. Off until measured
+    # on a GPU (docs/design.md)
+    mxfp4_dequant_rows: int = 0
     # MXFP4 with the inline-PTX decode: each GEMM program reads its scale rows once before its K
     # loop and, where every e8m0 byte is <= 128 (scales up to 2: checkpoints' weights), scales
     # each decoded pair by one packed multiplication (2^(s - 1)) instead of two; the same values.
     # Off until measured on a GPU
     mxfp4_one_factor: bool = False
+
+
+# The largest buffer of decoded MXFP4 weights QuantDispatchConfig.mxfp4_dequant_rows allocates
+# (gpt-oss-20b's 32 experts in bf16: 1.6 GB)
+MXFP4_DEQUANT_MAX_BYTES = 2 << 30
 
 
 def has_dot_scaled() -> bool:
@@ -243,6 +256,14 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
               and (hidden.dtype == torch.float16
                    or (hidden.dtype == torch.bfloat16 and not emulate)))
     wfmt = 1 if fmt == "fp8" else 3 if scaled else 2
+    if (wfmt == 2 and cfg.mxfp4_dequant_rows > 0 and T * K >= cfg.mxfp4_dequant_rows * E
+            and hidden.dtype in (torch.bfloat16, torch.float16)
+            and 3 * E * H * I * hidden.element_size() <= MXFP4_DEQUANT_MAX_BYTES):
+        return _dispatch_dequantized(
+            hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, cfg, mma, emulate,
+            out, activation=activation, w13_bias=w13_bias, w2_bias=w2_bias, alpha=alpha,
+            limit=limit, gate_up_interleaved=gate_up_interleaved,
+            weights_on_input=weights_on_input)
     # Fast launch (moe_ops.launch.fast): every argument of this call's launches is a function
     # of these and of the buffers allocated below (their alignment: launch_key).
     key = (cfg, fmt, bn, bk, quant_a, scaled, mma, activation, float(alpha), float(limit),
@@ -282,10 +303,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     b2 = w2_bias if w2_bias is not None else act
     # direct rows: every slot walks the column tiles together (their weight tiles differ)
     group_m = max(cfg.group_m, next_pow2(n_blocks)) if direct else cfg.group_m
-    bit_decode = (wfmt == 2 and cfg.mxfp4_bit_decode and not emulate
-                  and op_dtype == tl.bfloat16)
-    if bit_decode and cfg.mxfp4_asm_decode and _features.inline_ptx(dev):
-        bit_decode = 2
+    bit_decode = wfmt == 2 and _mxfp4_bit_decode(cfg, op_dtype, emulate, dev)
     one_factor = bit_decode == 2 and cfg.mxfp4_one_factor
     common = dict(WFMT=wfmt, QUANT_A=quant_a, EMULATE=emulate, OP_DTYPE=op_dtype,
                   DOT_PRECISION=dot_precision, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
@@ -342,3 +360,55 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         return out.copy_(out32)
     combine_triton(y, topk_ids, out, E, pdl=bool(pdl), key=key)
     return out
+
+
+def _mxfp4_bit_decode(cfg: QuantDispatchConfig, op_dtype, emulate: bool, dev):
+    """The MXFP4 decode the kernels run: False arithmetic, True bit placement, 2 its inline
+    PTX."""
+    bit_decode = bool(cfg.mxfp4_bit_decode and not emulate and op_dtype == tl.bfloat16)
+    if bit_decode and cfg.mxfp4_asm_decode and _features.inline_ptx(dev):
+        bit_decode = 2
+    return bit_decode
+
+
+def dequantize_mxfp4_triton(w, scale, dtype, mma: bool = False,
+                            config: QuantDispatchConfig | None = None):
+    """MXFP4 blocks w [E, N, K/2] (mxfp4_layout "plain", or "mma" with mma) and their e8m0
+    scales [E, N, K/32] -> [E, N, K] in dtype (bfloat16, float16 or float32), decoded by the expert
+    GEMMs' own tile decode (the config's: bit placement / inline PTX on the GPU), so the values
+    are those the fused kernels multiply: code * 2^(s - 127), exact in bfloat16."""
+    E, N, K = w.shape[0], w.shape[1], 2 * w.shape[2]
+    dev = w.device
+    emulate = _interpreted(dev)
+    cfg = config or QuantDispatchConfig(block_m=16, block_n1=16, block_n2=16, block_k=64)
+    d = torch.empty(E, N, K, dtype=dtype, device=dev)
+    if d.numel() == 0:
+        return d
+    op_dtype = tl.float32 if emulate else _TL_DTYPE[dtype]
+    bn, block_k = 64, 64
+    kernel_for(mxfp4_dequant_kernel, dev)[(cdiv(N, bn), cdiv(K, block_k), E)](
+        w, scale, d, N, K, w.stride(0), w.stride(1), w.stride(2), scale.stride(0),
+        scale.stride(1), scale.stride(2), d.stride(0), d.stride(1), OP_DTYPE=op_dtype,
+        EMULATE=emulate, BN=bn, BLOCK_K=block_k,
+        BIT_DECODE=_mxfp4_bit_decode(cfg, op_dtype, emulate, dev),
+        EVEN_K=K % block_k == 0, MMA_LAYOUT=bool(mma), num_warps=4)
+    return d
+
+
+def _dispatch_dequantized(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, cfg,
+                          mma, emulate, out, **variant):
+    """QuantDispatchConfig.mxfp4_dequant_rows: the experts decoded once into hidden's dtype,
+    then the 16-bit expert kernels (dispatch_triton) with the same variant arguments."""
+    from moe_ops.launch.dispatch import dispatch_triton
+
+    if emulate:
+        # the interpreter's 16-bit tl.dot is wrong (moe_ops.ops.dispatch): float32 copies; the
+        # decoded values are exact in float32 as in the 16-bit types
+        variant = {k: v.float() if torch.is_tensor(v) else v for k, v in variant.items()}
+        d13 = dequantize_mxfp4_triton(w13, w13_scale, torch.float32, mma, cfg)
+        d2 = dequantize_mxfp4_triton(w2, w2_scale, torch.float32, mma, cfg)
+        return out.copy_(dispatch_triton(hidden.float(), d13, d2, topk_weights, topk_ids,
+                                         **variant))
+    d13 = dequantize_mxfp4_triton(w13, w13_scale, hidden.dtype, mma, cfg)
+    d2 = dequantize_mxfp4_triton(w2, w2_scale, hidden.dtype, mma, cfg)
+    return dispatch_triton(hidden, d13, d2, topk_weights, topk_ids, out=out, **variant)

@@ -286,6 +286,17 @@ def _gpt_oss_20b_mxfp4(T, seed):
     return hidden, b13, b2, tw, ids, kw
 
 
+def _edge_scales(kw, seed, share=0.01):
+    """Puts e8m0 bytes at the decode's edges (0, 1, 2: subnormal factors; 127..131 around the
+    two-factor boundary) into `share` of both scale tensors of kw, in place."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    edges = torch.tensor([0, 1, 2, 127, 128, 129, 131], dtype=torch.uint8, device=DEV)
+    for s in (kw["w13_scale"], kw["w2_scale"]):
+        pick = torch.rand(s.shape, device=DEV, generator=g) < share
+        s[pick] = edges[torch.randint(0, len(edges), (int(pick.sum()),), device=DEV,
+                                      generator=g)]
+
+
 @pytest.mark.parametrize("T", [1, 128, 2048])
 def test_mxfp4_dot_scaled_matches(T):
     """The tl.dot_scaled form (QuantDispatchConfig.mxfp4_dot_scaled, an A/B candidate) agrees
@@ -462,12 +473,7 @@ def test_mxfp4_mma_layout_bit_equal(T):
     from moe_ops.mxfp4_layout import swizzle_mxfp4
 
     hidden, b13, b2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 500 + T)
-    g = torch.Generator(device=DEV).manual_seed(600 + T)
-    edges = torch.tensor([0, 1, 2, 127, 128, 129, 131], dtype=torch.uint8, device=DEV)
-    for s in (kw["w13_scale"], kw["w2_scale"]):
-        pick = torch.rand(s.shape, device=DEV, generator=g) < 0.01
-        s[pick] = edges[torch.randint(0, len(edges), (int(pick.sum()),), device=DEV,
-                                      generator=g)]
+    _edge_scales(kw, 600 + T)
     plain = dispatch_quantized(hidden, b13, b2, tw, ids, **kw)
     out = torch.full_like(plain, float("nan"))
     dispatch_quantized(hidden, swizzle_mxfp4(b13), swizzle_mxfp4(b2), tw, ids, **kw,
@@ -575,12 +581,7 @@ def test_mxfp4_dequant_rows_bit_equal(T):
 
     E, K, H, I = SHAPES["gpt_oss_20b"]
     hidden, b13, b2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 1300 + T)
-    g = torch.Generator(device=DEV).manual_seed(1400 + T)
-    edges = torch.tensor([0, 1, 2, 127, 128, 129, 131], dtype=torch.uint8, device=DEV)
-    for s in (kw["w13_scale"], kw["w2_scale"]):
-        pick = torch.rand(s.shape, device=DEV, generator=g) < 0.01
-        s[pick] = edges[torch.randint(0, len(edges), (int(pick.sum()),), device=DEV,
-                                      generator=g)]
+    _edge_scales(kw, 1400 + T)
     cfg = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda")
     deq = dataclasses.replace(cfg, mxfp4_dequant_rows=1)
     d2 = dequantize_mxfp4_triton(swizzle_mxfp4(b2), kw["w2_scale"], torch.bfloat16, mma=True)

@@ -185,7 +185,7 @@ def mxfp4_tile_bits(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl
 # half (x = b * 0x00010010: the low nibble at bits 4-7 of the low half, the high nibble at bits
 # 4-7 of the high half), each nibble's exponent and mantissa bits moved to bf16's bits 6-8 and
 # its sign to bit 15, then two packed multiplications.
-_MXFP4_PAIR_ASM = tl.constexpr("""{
+_MXFP4_PAIR_DECODE = """{
 .reg .b32 t, x, y, z;
 cvt.u32.u16 t, $1;
 mul.lo.u32 x, t, 65552;
@@ -194,22 +194,12 @@ shl.b32 z, x, 8;
 and.b32 z, z, 0x80008000;
 and.b32 y, y, 0x01C001C0;
 or.b32 y, y, z;
-mul.rn.bf16x2 y, y, $2;
+"""
+_MXFP4_PAIR_ASM = tl.constexpr(_MXFP4_PAIR_DECODE + """mul.rn.bf16x2 y, y, $2;
 mul.rn.bf16x2 $0, y, $3;
 }""")
-
-
-# _MXFP4_PAIR_ASM with one factor $2 (e8m0_bf16_factor)
-_MXFP4_PAIR1_ASM = tl.constexpr("""{
-.reg .b32 t, x, y, z;
-cvt.u32.u16 t, $1;
-mul.lo.u32 x, t, 65552;
-shl.b32 y, x, 2;
-shl.b32 z, x, 8;
-and.b32 z, z, 0x80008000;
-and.b32 y, y, 0x01C001C0;
-or.b32 y, y, z;
-mul.rn.bf16x2 $0, y, $2;
+# the same with one factor $2 (e8m0_bf16_factor)
+_MXFP4_PAIR1_ASM = tl.constexpr(_MXFP4_PAIR_DECODE + """mul.rn.bf16x2 $0, y, $2;
 }""")
 
 

@@ -93,7 +93,7 @@ class QuantDispatchConfig:
     # on a GPU (docs/design.md)
     mxfp4_dequant_rows: int = 0
     # MXFP4 with the inline-PTX decode: each GEMM program reads its scale rows once before its K
-    # loop and, where every e8m0 byte is <= 128 (scales up to 2: checkpoints' weights), scales
+    # loop and, where every e8m0 byte is <= 128 (block scales up to 2), scales
     # each decoded pair by one packed multiplication (2^(s - 1)) instead of two; the same values.
     # Off until measured on a GPU
     mxfp4_one_factor: bool = False
@@ -401,14 +401,13 @@ def _dispatch_dequantized(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2
     then the 16-bit expert kernels (dispatch_triton) with the same variant arguments."""
     from moe_ops.launch.dispatch import dispatch_triton
 
+    # the interpreter's 16-bit tl.dot is wrong (moe_ops.ops.dispatch): float32 copies there; the
+    # decoded values are exact in float32 as in the 16-bit types
+    dtype = torch.float32 if emulate else hidden.dtype
+    d13 = dequantize_mxfp4_triton(w13, w13_scale, dtype, mma, cfg)
+    d2 = dequantize_mxfp4_triton(w2, w2_scale, dtype, mma, cfg)
     if emulate:
-        # the interpreter's 16-bit tl.dot is wrong (moe_ops.ops.dispatch): float32 copies; the
-        # decoded values are exact in float32 as in the 16-bit types
         variant = {k: v.float() if torch.is_tensor(v) else v for k, v in variant.items()}
-        d13 = dequantize_mxfp4_triton(w13, w13_scale, torch.float32, mma, cfg)
-        d2 = dequantize_mxfp4_triton(w2, w2_scale, torch.float32, mma, cfg)
         return out.copy_(dispatch_triton(hidden.float(), d13, d2, topk_weights, topk_ids,
                                          **variant))
-    d13 = dequantize_mxfp4_triton(w13, w13_scale, hidden.dtype, mma, cfg)
-    d2 = dequantize_mxfp4_triton(w2, w2_scale, hidden.dtype, mma, cfg)
     return dispatch_triton(hidden, d13, d2, topk_weights, topk_ids, out=out, **variant)

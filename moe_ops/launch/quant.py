@@ -89,8 +89,9 @@ class QuantDispatchConfig:
     # the experts' weights once into a 16-bit buffer (mxfp4_dequant_kernel: the GEMM kernels'
     # own tile decode, so the same values) and runs the bf16/fp16 expert kernels on it
     # (launch.dispatch.dispatch_triton) instead of decoding every weight tile once per row
-    # block. Skipped where that buffer would pass MXFP4_DEQUANT_MAX_BYTES. Off until measured
-    # on a GPU (docs/design.md)
+    # block. Skipped where that buffer would pass MXFP4_DEQUANT_MAX_BYTES. An opt-in only: the
+    # buffer is the dequantized copy of the weights that the default path never allocates
+    # (docs/design.md)
     mxfp4_dequant_rows: int = 0
     # MXFP4 with the inline-PTX decode: each GEMM program reads its scale rows once before its K
     # loop and, where every e8m0 byte is <= 128 (block scales up to 2), scales

@@ -425,3 +425,171 @@ def test_tune_shape_with_no_usable_candidate_names_the_shape(monkeypatch):
         heuristic, num_warps=heuristic.num_warps * 2)])
     with pytest.raises(RuntimeError, match=r"every candidate .* H=24 I=20 E=4 K=2 T=1"):
         tune.tune_shape(H, I, E, K, [1], torch.float32, torch.device("cpu"), lambda desc: None)
+
+
+# Quantized experts' entries (moe-ops-tune --weights): QuantDispatchConfig per weight format.
+
+def _qcfg(**kw):
+    from moe_ops.tuning.configs import QuantDispatchConfig
+
+    return QuantDispatchConfig(**{**dict(block_m=16, block_n1=32, block_n2=64, block_k=256,
+                                         mxfp4_swap_ab=True), **kw})
+
+
+def _qentry(configs, weights, block_shape=None, H=2880, I=2880, E=32, K=4):
+    return {**_entry(configs, H=H, I=I, E=E, K=K), "weights": weights, "block_shape": block_shape}
+
+
+def test_quant_entries_round_trip_beside_unquantized_ones(tmp_path):
+    from moe_ops.tuning.configs import QuantDispatchConfig
+
+    Q1, Q2, F = _qcfg(), _qcfg(block_m=128, num_stages=4), _qcfg(block_n1=128, block_k=128)
+    tables.write_table("G", [_entry({1: CFG_A}, H=2880, I=2880, E=32, K=4),
+                             _qentry({1: Q1, 2048: Q2}, "mxfp4-mma"),
+                             _qentry({8: F}, "fp8", [128, 128])], tmp_path)
+    tables.write_table("G", [_qentry({8192: Q2}, "mxfp4-mma")], tmp_path)   # merges
+    look = lambda T, **kw: tables.lookup(T, 32, 4, 2880, 2880, torch.bfloat16, "G", tmp_path, **kw)  # noqa: E731
+    assert look(1) == CFG_A                                   # the unquantized entry
+    assert look(1, weights="mxfp4-mma") == Q1
+    assert isinstance(look(1, weights="mxfp4-mma"), QuantDispatchConfig)
+    assert look(3000, weights="mxfp4-mma") == Q2
+    assert look(1, weights="mxfp4") is None                    # another format
+    assert look(8, weights="fp8", block_shape=[128, 128]) == F
+    assert look(8, weights="fp8", block_shape=[128, 64]) is None
+    assert look(8, weights="fp8-w8a16", block_shape=[128, 128]) is None
+    table = json.loads(tables.table_path("G", tmp_path).read_text())
+    assert len(table["entries"]) == 3
+    assert sorted(table["entries"][1]["configs"], key=int) == ["1", "2048", "8192"]
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(weights="int4"), "weights must be one of"),
+    (dict(weights="fp8", block_shape=None), "block_shape"),
+    (dict(weights="fp8", block_shape=[128]), "block_shape"),
+    (dict(weights="mxfp4", block_shape=[128, 128]), "block_shape null"),
+    (dict(configs={"1": {"block_m": 16, "gate_up_block_n": 64}}), "unknown QuantDispatchConfig"),
+    (dict(configs={"1": {"block_m": 16}}), "QuantDispatchConfig fields missing"),
+])
+def test_bad_quant_entries_are_rejected(change, match):
+    entry = {**_qentry({1: _qcfg()}, "mxfp4"), **change}
+    with pytest.raises(ValueError, match=match):
+        tables.validate_table({"version": tables.FORMAT_VERSION, "entries": [entry]})
+
+
+def test_quant_dispatch_config_prefers_the_table_on_cuda(tmp_path, monkeypatch):
+    """On CUDA the quantized call's config comes from the tuned entry of its shape, hidden's
+    dtype, weight format and FP8 block shape, else the heuristic; the memo follows table writes."""
+    from moe_ops.tuning.heuristics import quant_dispatch_config, quant_heuristic_config
+
+    monkeypatch.setenv("MOE_OPS_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(heuristics, "_device_name", lambda: "Quant GPU")
+    shape = (1, 32, 4, 2880, 2880)
+    heur = quant_heuristic_config(*shape, "mxfp4", 32, "cuda")
+    look = lambda **kw: quant_dispatch_config(*shape, "mxfp4", 32, "cuda", **kw)  # noqa: E731
+    assert look(dtype=torch.bfloat16, mma=True) == heur
+    Q = _qcfg(num_stages=2)
+    tables.write_table("Quant GPU", [_qentry({1: Q}, "mxfp4-mma")], tmp_path)
+    assert look(dtype=torch.bfloat16, mma=True) == Q
+    assert look(dtype=torch.bfloat16, mma=False) == heur       # the plain layout's entry: none
+    assert look(dtype=torch.float16, mma=True) == heur
+    assert look() == heur                                        # no dtype: the heuristic
+    F = _qcfg(block_n1=128, block_k=128, num_warps=8)
+    tables.write_table("Quant GPU", [_qentry({1: F}, "fp8", [128, 128], H=2048, I=768, E=128,
+                                             K=8)], tmp_path)
+    fp8 = lambda qa, bn: quant_dispatch_config(1, 128, 8, 2048, 768, "fp8", 128, "cuda", qa,  # noqa: E731
+                                               dtype=torch.bfloat16, bn=bn)
+    assert fp8(True, 128) == F
+    assert fp8(False, 128) == quant_heuristic_config(1, 128, 8, 2048, 768, "fp8", 128, "cuda")
+    assert fp8(True, 64) == quant_heuristic_config(1, 128, 8, 2048, 768, "fp8", 128, "cuda", True)
+
+
+def test_quant_configs_follow_the_constraints(tmp_path, monkeypatch):
+    from moe_ops.tuning import config_constraints, update_config_constraints
+    from moe_ops.tuning.configs import QuantDispatchConfig
+    from moe_ops.tuning.heuristics import quant_dispatch_config
+
+    monkeypatch.setenv("MOE_OPS_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(heuristics, "_device_name", lambda: "Quant GPU 2")
+    with config_constraints(QuantDispatchConfig, num_stages=2, mxfp4_one_factor=True):
+        for dev, kw in (("cuda", dict(dtype=torch.bfloat16)), ("cuda", {}), ("cpu", {})):
+            cfg = quant_dispatch_config(1, 32, 4, 2880, 2880, "mxfp4", 32, dev, **kw)
+            assert (cfg.num_stages, cfg.mxfp4_one_factor) == (2, True), (dev, kw)
+    assert quant_dispatch_config(1, 32, 4, 2880, 2880, "mxfp4", 32, "cuda",
+                                 dtype=torch.bfloat16).num_stages == 3
+    with pytest.raises(ValueError, match="no field"):
+        update_config_constraints(QuantDispatchConfig, gate_up_block_n=64)
+
+
+def test_tune_quant_keeps_only_candidates_bitwise_equal_to_the_heuristic(monkeypatch, capsys):
+    """A faster candidate whose output differs from the heuristic config's in one bit is
+    rejected (a tuned table must not make a token's output depend on the batch); the fastest
+    bit-equal one goes in the table, with the entry's weight format. Kernels and clock stubbed."""
+    from moe_ops.tools import quant_baselines as qb
+    from moe_ops.tools import tune
+
+    H, I, E, K = 64, 64, 4, 2
+    qf = qb.FORMATS["mxfp4-mma"]
+    base = tune.quant_heuristic_config(1, E, K, H, I, "mxfp4", 32, "cpu")
+    off_by_one_bit, slower_equal, faster_equal = (
+        _qcfg(block_n2=16), _qcfg(block_n2=32, num_stages=2), _qcfg(block_n2=32, num_stages=3))
+    cands = [base, off_by_one_bit, slower_equal, faster_equal]
+    monkeypatch.setattr(tune, "quant_candidates", lambda *a, **k: cands)
+
+    def fake_dispatch(hidden, *rest, config, **kw):
+        out = torch.full((hidden.shape[0], H), 0.5, dtype=torch.bfloat16)
+        if config == off_by_one_bit:
+            out.view(torch.int16)[-1, -1] += 1
+        return out
+
+    times = {base: 3.0, off_by_one_bit: 0.5, slower_equal: 2.0, faster_equal: 1.0}
+    monkeypatch.setattr(tune, "dispatch_quantized", fake_dispatch)
+    monkeypatch.setattr(tune, "_time", lambda fn, device_type: times[fn.keywords["config"]])
+    entry = tune.tune_quant_shape(H, I, E, K, [1, 3], torch.bfloat16, torch.device("cpu"),
+                                  lambda desc: None, qf)
+    assert entry["weights"] == "mxfp4-mma" and entry["block_shape"] is None
+    assert entry["configs"] == {"1": tables.config_to_dict(faster_equal),
+                                "3": tables.config_to_dict(faster_equal)}
+    err = capsys.readouterr().err
+    assert err.count("rejected") == 2
+    assert "1 of 64 outputs differ" in err and "1 of 192 outputs differ" in err   # T = 1, 3
+    tables.validate_table({"version": tables.FORMAT_VERSION, "entries": [entry]})
+
+
+def test_tune_quant_cli_smoke_through_interpreter(interpreter, tmp_path):
+    from moe_ops.tools import tune
+
+    tune.main(["--weights", "mxfp4", "--shape", "64,32,4,2", "--tokens", "1", "--device", "cpu",
+               "--out-dir", str(tmp_path)])
+    tune.main(["--weights", "fp8", "--shape", "64,32,4,2", "--tokens", "2", "--device", "cpu",
+               "--out-dir", str(tmp_path)])
+    table = json.loads((tmp_path / "cpu-interpreter.json").read_text())
+    assert [(e["weights"], e["block_shape"], sorted(e["configs"])) for e in table["entries"]] == [
+        ("mxfp4", None, ["1"]), ("fp8", [128, 128], ["2"])]
+    with pytest.raises(SystemExit):
+        tune.main(["--weights", "mxfp4-mma", "--shape", "96,32,4,2", "--device", "cpu",
+                   "--out-dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8-w8a16", "mxfp4", "mxfp4-mma"])
+def test_quantized_call_asks_for_its_format_config(interpreter, monkeypatch, name):
+    """dispatch_quantized asks quant_dispatch_config with hidden's dtype, the weight format
+    (W8A8 or not, the MXFP4 layout) and FP8's bn: what selects a tuned entry on CUDA."""
+    from moe_ops.launch import quant
+    from moe_ops.tools import tune
+    from moe_ops.tools.quant_baselines import FORMATS
+
+    seen = []
+    real = quant.quant_dispatch_config
+
+    def spy(*args, **kw):
+        seen.append((args, kw))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(quant, "quant_dispatch_config", spy)
+    qf = FORMATS[name]
+    args, kw = tune.quant_inputs(2, 64, 64, 4, 2, qf, torch.bfloat16, "cpu")
+    quant.dispatch_quantized(*args, **kw)
+    (a, k), = seen
+    assert a[5:] == (qf.fmt, 128 if qf.fmt == "fp8" else 32, "cpu", qf.quantize_activations)
+    assert k == dict(dtype=torch.bfloat16, mma=qf.mxfp4_layout == "mma",
+                     bn=128 if qf.fmt == "fp8" else 1)

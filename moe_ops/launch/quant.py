@@ -6,7 +6,7 @@ dequantized weight is ever materialised: tiles are decoded in registers. Nothing
 host."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton.language as tl
@@ -24,80 +24,10 @@ from moe_ops.launch.alignment import align_triton
 from moe_ops.launch.dispatch import DirectRows, combine_triton
 from moe_ops.launch.fast import launch_key, optional_tensor_key, tensor_key
 from moe_ops.ops.quant_checks import ACTIVATIONS, check_quantized_dispatch
+from moe_ops.tuning.configs import QuantDispatchConfig
+from moe_ops.tuning.heuristics import quant_dispatch_config, quant_heuristic_config  # noqa: F401
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-@dataclass(frozen=True, kw_only=True)
-class QuantDispatchConfig:
-    """Tiles of the quantized expert GEMMs. block_k: the K step (FP8: equal to the block
-    shape's bk, one weight scale per step; MXFP4: a multiple of 32). block_n1 counts columns of
-    I (the gate+up kernel computes a gate and an up tile of that width)."""
-    block_m: int
-    block_n1: int
-    block_n2: int
-    block_k: int
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-    # MXFP4 through tl.dot_scaled instead of the kernels' own decode (bf16/fp16 activations,
-    # where has_dot_scaled()); off: 0.59-0.86x of the bit-placement decode on the H200 (design.md)
-    mxfp4_dot_scaled: bool = False
-    # MXFP4 decoded by bit placement (quant_gemm.mxfp4_tile_bits; GPU, bfloat16 activations)
-    mxfp4_bit_decode: bool = True
-    # the bit-placement decode written in inline PTX over bf16x2 pairs (quant_gemm.mxfp4_tile_asm:
-    # one byte gives one MMA operand register, packed multiplications); with mxfp4_bit_decode,
-    # where _features.inline_ptx (sm_90+). H100: 1.07-1.21x at gpt-oss-20b/120b T=1..8192
-    # (docs/design.md)
-    mxfp4_asm_decode: bool = True
-    # MXFP4 products computed transposed (decoded weights x rows^T): the decoded tile is the
-    # MMA's left operand, which Hopper's wgmma reads from registers (no trip through shared
-    # memory); the row block becomes the MMA's N (8..256), so decode tiles stay small
-    mxfp4_swap_ab: bool = False
-    # FP8: one scalar weight scale per K step when every row of a tile is in one [bn, bk] block
-    # row (gate+up: bn and I multiples of block_n1, not interleaved; down: bn a multiple of
-    # block_n2)
-    scalar_weight_scale: bool = True
-    # each K step's weight scales (FP8 block scales, MXFP4 e8m0 bytes) and W8A8 activation
-    # scales loaded one step ahead (quant_gemm.step_scales): Triton's pipeliner copies the
-    # tiles asynchronously but leaves these loads (scalars, gathers, MXFP4's scale rows that
-    # are not 4-byte aligned) synchronous in the step that uses them
-    prefetch_scales: bool = True
-    # W8A8: hidden quantized once per token (quantize_groups_kernel) instead of in every gate+up
-    # program's gather (not with weights_on_input, whose rows are scaled per slot first);
-    # 1.02-1.48x on the H200 (docs/design.md)
-    prequantize_hidden: bool = True
-    # W8A8: the gate+up GEMM stores the activation in float32 and the down GEMM quantizes it in
-    # its gather (the same e4m3 values and scales as the epilogue's quantization), so block_n1
-    # need not be bk: at decode, narrower gate+up tiles give more programs
-    act_quant_in_down: bool = False
-    # MXFP4 with mxfp4_swap_ab: the gate and up rows of a tile decoded as one [2 * block_n1,
-    # block_k] tile and multiplied by one MMA chain per K step (quant_gemm: STACK_GU); the same
-    # sums (bit-equal). The heuristic turns it on with block_n1 32 at <= 64 slots (decode).
-    mxfp4_stacked_gate_up: bool = False
-    # FP8: the products computed transposed (weight tile x rows^T): the row block becomes the
-    # MMA's N, so a decode tile of 16 rows runs a 16-wide wgmma instead of a 64-row one whose
-    # rows are mostly padding; the same promotion arithmetic per element
-    fp8_swap_ab: bool = False
-    # programmatic dependent launch (sm_90+): each kernel of the call may launch while its
-    # predecessor finishes and waits for it before its first memory access. H100, graph
-    # replay: FP8 Qwen3-30B-A3B T=1 36.2 -> 32.8 us (1.10x), T=8 1.03x, DeepSeek-V3 1.00-1.01x;
-    # MXFP4 gpt-oss-20b T=1 75.8 -> 79.7 us (0.95x), T=8..2048 1.00x: the MXFP4 heuristics
-    # turn it off
-    dependent_launch: bool = True
-    # MXFP4 at prefill: from this many slots per expert (T * K / E; 0: never), the call decodes
-    # the experts' weights once into a 16-bit buffer (mxfp4_dequant_kernel: the GEMM kernels'
-    # own tile decode, so the same values) and runs the bf16/fp16 expert kernels on it
-    # (launch.dispatch.dispatch_triton) instead of decoding every weight tile once per row
-    # block. Skipped where that buffer would pass MXFP4_DEQUANT_MAX_BYTES. An opt-in only: the
-    # buffer is the dequantized copy of the weights that the default path never allocates
-    # (docs/design.md)
-    mxfp4_dequant_rows: int = 0
-    # MXFP4 with the inline-PTX decode: each GEMM program reads its scale rows once before its K
-    # loop and, where every e8m0 byte is <= 128 (block scales up to 2), scales
-    # each decoded pair by one packed multiplication (2^(s - 1)) instead of two; the same values.
-    # Off until measured on a GPU
-    mxfp4_one_factor: bool = False
 
 
 # The largest buffer of decoded MXFP4 weights QuantDispatchConfig.mxfp4_dequant_rows allocates
@@ -109,83 +39,6 @@ def has_dot_scaled() -> bool:
     """Whether this Triton has tl.dot_scaled with an e2m1 right operand and a bf16/fp16 left one
     (3.6 and 3.9 do: both compile it for sm_90 to bf16 wgmma); moe_ops._features decides."""
     return _features.dot_scaled()
-
-
-def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: int,
-                          device_type: str, quant_a: bool = False) -> QuantDispatchConfig:
-    """Heuristic tiles (not tuned yet). Row blocks from the mean rows per expert (decode: 16,
-    so few padding rows are multiplied); K step bk for FP8, 128 values (64 packed bytes) for
-    MXFP4. The interpreter gets the smallest tiles tl.dot takes (runtime grows with tile area)."""
-    if device_type != "cuda":
-        return QuantDispatchConfig(block_m=16, block_n1=bk if quant_a else 16, block_n2=32,
-                                   block_k=bk if fmt == "fp8" else 32 if H <= 32 or I <= 32 else 64,
-                                   group_m=4, num_warps=1, num_stages=1)
-    rows = T * K / max(E, 1)
-    block_m = 16 if rows <= 16 else 32 if rows <= 48 else 64
-    block_k = bk if fmt == "fp8" else 128
-    if fmt == "mxfp4" and rows >= 128:
-        # prefill: 128-row blocks decode each weight tile for twice the rows, the products
-        # computed transposed with 4 warps, 64-wide K steps: 1.07-1.15x of the same with
-        # 128-wide steps and 1.12-1.54x of 64-row blocks at gpt-oss-20b/120b T=512..8192 on
-        # the H100 (docs/design.md). From 128 rows per expert: at 64 (gpt-oss-20b T=512,
-        # gpt-oss-120b T=2048) half of each 128-row block is padding, and the 64-row tiles
-        # below measure 1.05-1.06x (H100: 611.6 -> 580.5 us, 2268.6 -> 2139.8 us, bit-equal);
-        # at 256 rows they are 0.85-0.87x.
-        return QuantDispatchConfig(block_m=128, block_n1=64, block_n2=128, block_k=64,
-                                   group_m=8, num_warps=4, num_stages=3, mxfp4_swap_ab=True,
-                                   dependent_launch=False)
-    if fmt == "mxfp4":
-        # Below 64 rows per expert: transposed too, 64-wide weight tiles, so that every T runs
-        # wgmma (64 weight rows as the MMA's M); mma.sync sums the decoded tile in another order
-        # (relative difference 3e-5..1e-4), which made a token's output depend on the batch.
-        # H100, against the earlier untransposed 32/64-wide tiles: gpt-oss-20b T=1 76.8 -> 85.0
-        # us (0.90x), T=8/32/128 1.02/1.03/1.04x; 64-wide K steps from T=32 on (1.03-1.05x;
-        # at T=1 0.77x).
-        # With at most 64 slots (T * K; few experts hit, a few hundred programs), gate and up
-        # rows are decoded as one [64, block_k] tile of 32 gate + 32 up rows (the MMA's M
-        # stays 64, the same sums: bit-equal), which gives twice the programs at 80 registers
-        # instead of 171 (ptxas, sm_90, the launch at T=1 and 8). H100, graph replay:
-        # gpt-oss-20b T=1 81.7 -> 75.5 us (1.08x), T=8 253.2 -> 232.0 (1.09x); at 512 slots
-        # (T=128) 0.97x.
-        # At <= 4 slots (gpt-oss T=1), 256-value K steps: half the K steps, the same MMA chain
-        # (bit-equal). H200, graph replay: gpt-oss-20b and -120b T=1 74.6 -> 68.7 us (1.09x);
-        # at 8 slots (T=2) 0.92-0.93x, so not beyond 4.
-        stacked = T * K <= 64
-        block_k = 256 if T * K <= 4 else 64 if T >= 32 else 128
-        return QuantDispatchConfig(block_m=block_m, block_n1=32 if stacked else 64, block_n2=64,
-                                   block_k=block_k, group_m=8, num_warps=4,
-                                   num_stages=3, mxfp4_swap_ab=True,
-                                   mxfp4_stacked_gate_up=stacked, dependent_launch=False)
-    if fmt == "fp8":
-        # wgmma tiles and 8 warps at every T: Hopper's FP8 wgmma (64-row tiles) and mma.sync
-        # (16/32-row tiles) round their float32 sums differently (relative difference 5e-3 on
-        # the H100), so one MMA kind at every T keeps a token's output independent of the batch;
-        # at decode this costs 0-3% (H100: Qwen3-30B-A3B T=1/8/128 41.9/120.5/252.8 ->
-        # 41.8/124.5/260.0 us, DeepSeek-V3 T=1/128 155.9/3861 -> 153.6/3872). The gate+up tile
-        # is one bk group of the activation it quantizes (128 columns: two [64, 128] float32
-        # accumulators). Four stages: one more K step in flight, the same sums (bit-equal);
-        # H100, two runs: Qwen3-30B-A3B T=1 40.5 -> 37.8 us, T=8 1.02x, T=2048 1.04x, T=8192
-        # 1.01x; DeepSeek-V3 T=1 1.01x, T=2048 4752 -> 4585 us. From 256 rows per expert,
-        # 128-row blocks (two 64-row wgmma halves, the same sums: outputs bit-equal to the
-        # 64-row tiles): each weight tile is read for twice the rows. H100, same run:
-        # DeepSeek-V3 T=8192 (256 rows) 1.14x, Qwen3-30B-A3B T=8192 (512 rows) 1.06x; at 64
-        # and 128 rows (DeepSeek-V3 / Qwen3 T=2048) 1.00x / 0.98x, so not below 256. W8A8 only
-        # (the weight-only path's 128-row tiles are not measured).
-        # At <= 8 rows per expert (W8A8), the products transposed (fp8_swap_ab) with 16-row
-        # blocks: the rows are the wgmma's N (m64n16k32) instead of a 64-row tile of padding;
-        # the same sums (bit-equal to the 64-row tiles at T = 1..2048 on the H200, so the
-        # same class). H200, graph replay: Qwen3-30B-A3B T=1/8/128 1.04/1.08/1.08x,
-        # DeepSeek-V3 T=1/8/128 1.01/1.03/1.02x; at 16 rows per expert (DeepSeek-V3 T=512)
-        # 0.94x (H100), at 128 rows 0.44-0.48x.
-        if quant_a and rows <= 8:
-            return QuantDispatchConfig(block_m=16, block_n1=bk, block_n2=128, block_k=block_k,
-                                       group_m=8, num_warps=4, num_stages=4, fp8_swap_ab=True)
-        return QuantDispatchConfig(block_m=128 if quant_a and rows >= 256 else 64,
-                                   block_n1=bk if quant_a else 64, block_n2=128,
-                                   block_k=block_k, group_m=8, num_warps=8, num_stages=4)
-    return QuantDispatchConfig(block_m=block_m, block_n1=64, block_n2=128, block_k=block_k,
-                               group_m=8, num_warps=4 if block_m < 64 else 8,
-                               num_stages=3)
 
 
 def _interpreted(device: torch.device) -> bool:
@@ -230,7 +83,8 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
     emulate = _interpreted(dev)
     quant_a = fmt == "fp8" and bool(quantize_activations)
     cfg = config or quant_dispatch_config(T, E, K, H, I, fmt, bk,
-                                          "cpu" if emulate else "cuda", quant_a)
+                                          "cpu" if emulate else "cuda", quant_a,
+                                          dtype=hidden.dtype, mma=mxfp4_layout == "mma", bn=bn)
     if fmt == "fp8" and cfg.block_k != bk:
         raise ValueError(f"config.block_k must equal the FP8 block_shape's bk = {bk}, got "
                          f"{cfg.block_k}")

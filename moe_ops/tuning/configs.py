@@ -102,8 +102,80 @@ class AlignmentConfig:
     triangular_max_chunk: int = 128
 
 
+@dataclass(frozen=True, kw_only=True)
+class QuantDispatchConfig:
+    """Tiles of the quantized expert GEMMs. block_k: the K step (FP8: equal to the block
+    shape's bk, one weight scale per step; MXFP4: a multiple of 32). block_n1 counts columns of
+    I (the gate+up kernel computes a gate and an up tile of that width)."""
+    block_m: int
+    block_n1: int
+    block_n2: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    # MXFP4 through tl.dot_scaled instead of the kernels' own decode (bf16/fp16 activations,
+    # where has_dot_scaled()); off: 0.59-0.86x of the bit-placement decode on the H200 (design.md)
+    mxfp4_dot_scaled: bool = False
+    # MXFP4 decoded by bit placement (quant_gemm.mxfp4_tile_bits; GPU, bfloat16 activations)
+    mxfp4_bit_decode: bool = True
+    # the bit-placement decode written in inline PTX over bf16x2 pairs (quant_gemm.mxfp4_tile_asm:
+    # one byte gives one MMA operand register, packed multiplications); with mxfp4_bit_decode,
+    # where _features.inline_ptx (sm_90+). H100: 1.07-1.21x at gpt-oss-20b/120b T=1..8192
+    # (docs/design.md)
+    mxfp4_asm_decode: bool = True
+    # MXFP4 products computed transposed (decoded weights x rows^T): the decoded tile is the
+    # MMA's left operand, which Hopper's wgmma reads from registers (no trip through shared
+    # memory); the row block becomes the MMA's N (8..256), so decode tiles stay small
+    mxfp4_swap_ab: bool = False
+    # FP8: one scalar weight scale per K step when every row of a tile is in one [bn, bk] block
+    # row (gate+up: bn and I multiples of block_n1, not interleaved; down: bn a multiple of
+    # block_n2)
+    scalar_weight_scale: bool = True
+    # each K step's weight scales (FP8 block scales, MXFP4 e8m0 bytes) and W8A8 activation
+    # scales loaded one step ahead (quant_gemm.step_scales): Triton's pipeliner copies the
+    # tiles asynchronously but leaves these loads (scalars, gathers, MXFP4's scale rows that
+    # are not 4-byte aligned) synchronous in the step that uses them
+    prefetch_scales: bool = True
+    # W8A8: hidden quantized once per token (quantize_groups_kernel) instead of in every gate+up
+    # program's gather (not with weights_on_input, whose rows are scaled per slot first);
+    # 1.02-1.48x on the H200 (docs/design.md)
+    prequantize_hidden: bool = True
+    # W8A8: the gate+up GEMM stores the activation in float32 and the down GEMM quantizes it in
+    # its gather (the same e4m3 values and scales as the epilogue's quantization), so block_n1
+    # need not be bk: at decode, narrower gate+up tiles give more programs
+    act_quant_in_down: bool = False
+    # MXFP4 with mxfp4_swap_ab: the gate and up rows of a tile decoded as one [2 * block_n1,
+    # block_k] tile and multiplied by one MMA chain per K step (quant_gemm: STACK_GU); the same
+    # sums (bit-equal). The heuristic turns it on with block_n1 32 at <= 64 slots (decode).
+    mxfp4_stacked_gate_up: bool = False
+    # FP8: the products computed transposed (weight tile x rows^T): the row block becomes the
+    # MMA's N, so a decode tile of 16 rows runs a 16-wide wgmma instead of a 64-row one whose
+    # rows are mostly padding; the same promotion arithmetic per element
+    fp8_swap_ab: bool = False
+    # programmatic dependent launch (sm_90+): each kernel of the call may launch while its
+    # predecessor finishes and waits for it before its first memory access. H100, graph
+    # replay: FP8 Qwen3-30B-A3B T=1 36.2 -> 32.8 us (1.10x), T=8 1.03x, DeepSeek-V3 1.00-1.01x;
+    # MXFP4 gpt-oss-20b T=1 75.8 -> 79.7 us (0.95x), T=8..2048 1.00x: the MXFP4 heuristics
+    # turn it off
+    dependent_launch: bool = True
+    # MXFP4 at prefill: from this many slots per expert (T * K / E; 0: never), the call decodes
+    # the experts' weights once into a 16-bit buffer (mxfp4_dequant_kernel: the GEMM kernels'
+    # own tile decode, so the same values) and runs the bf16/fp16 expert kernels on it
+    # (launch.dispatch.dispatch_triton) instead of decoding every weight tile once per row
+    # block. Skipped where that buffer would pass MXFP4_DEQUANT_MAX_BYTES. An opt-in only: the
+    # buffer is the dequantized copy of the weights that the default path never allocates
+    # (docs/design.md)
+    mxfp4_dequant_rows: int = 0
+    # MXFP4 with the inline-PTX decode: each GEMM program reads its scale rows once before its K
+    # loop and, where every e8m0 byte is <= 128 (block scales up to 2), scales
+    # each decoded pair by one packed multiplication (2^(s - 1)) instead of two; the same values.
+    # Off until measured on a GPU
+    mxfp4_one_factor: bool = False
+
+
 CONFIG_CLASSES = (DispatchConfig, RowGemmConfig, WeightGradConfig, ActivationGradConfig,
-                  BackwardConfig, AlignmentConfig)
+                  BackwardConfig, AlignmentConfig, QuantDispatchConfig)
 
 _constraints: dict = {}   # config class -> {field: value}
 _generation = 0           # bumped on every change (part of the memoised configs' keys)

@@ -10,8 +10,8 @@ import torch
 from moe_ops import _env
 from moe_ops.tuning import tables
 from moe_ops.tuning.configs import (ActivationGradConfig, BackwardConfig, DispatchConfig,
-                                    RowGemmConfig, WeightGradConfig, constrain,
-                                    constraints_generation)
+                                    QuantDispatchConfig, RowGemmConfig, WeightGradConfig,
+                                    constrain, constraints_generation)
 
 
 def dispatch_config(T: int, E: int, K: int, H: int, I: int, device_type: str,
@@ -42,7 +42,42 @@ def _cached_config(T, E, K, H, I, device_type, dtype, device_name, tuning_dir, _
 def clear_config_cache() -> None:
     """Forget memoised configs (after a tuned table changed on disk)."""
     _cached_config.cache_clear()
+    _cached_quant_config.cache_clear()
     _backward_config.cache_clear()
+
+
+def quant_weights_name(fmt: str, quant_a: bool, mma: bool) -> str:
+    """The tuned tables' name of a quantized weight format (moe-ops-bench's --weights values):
+    "fp8" (W8A8), "fp8-w8a16", "mxfp4" or "mxfp4-mma" (mxfp4_layout="mma")."""
+    if fmt == "fp8":
+        return "fp8" if quant_a else "fp8-w8a16"
+    return "mxfp4-mma" if mma else "mxfp4"
+
+
+def quant_dispatch_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: int,
+                          device_type: str, quant_a: bool = False, *,
+                          dtype: torch.dtype | None = None, mma: bool = False,
+                          bn: int | None = None) -> QuantDispatchConfig:
+    """The quantized expert GEMMs' config: on CUDA, with `dtype` (hidden's) given, the tuned
+    table's entry for this shape, weight format (quant_weights_name) and FP8 block shape
+    [bn, bk] when there is one (moe-ops-tune --weights), else quant_heuristic_config; with the
+    config constraints applied. Memoised like dispatch_config."""
+    if device_type == "cuda" and dtype is not None:
+        return _cached_quant_config(T, E, K, H, I, fmt, bk, quant_a, dtype, bool(mma), bn,
+                                    _device_name(), _env.tuning_dir(), tables.generation(),
+                                    constraints_generation())
+    return constrain(quant_heuristic_config(T, E, K, H, I, fmt, bk, device_type, quant_a))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_quant_config(T, E, K, H, I, fmt, bk, quant_a, dtype, mma, bn, device_name,
+                         tuning_dir, _tables, _constraints) -> QuantDispatchConfig:
+    tuned = tables.lookup(T, E, K, H, I, dtype, device_name, tuning_dir,
+                          weights=quant_weights_name(fmt, quant_a, mma),
+                          block_shape=[bn, bk] if fmt == "fp8" else None)
+    if tuned is not None:
+        return constrain(tuned)
+    return constrain(quant_heuristic_config(T, E, K, H, I, fmt, bk, "cuda", quant_a))
 
 
 @functools.lru_cache(maxsize=None)
@@ -294,3 +329,80 @@ def _backward_heuristic(fwd, device_type, dtype, rows_per_expert, inter_size) ->
     wg = replace(wg, persistent=True, persistent_num_stages=3, lpt_schedule=True)
     return BackwardConfig(activation_grad_gemm=rows, input_grad_gemm=rows, weight_grad=wg,
                           activation_grad=ew)
+
+
+def quant_heuristic_config(T: int, E: int, K: int, H: int, I: int, fmt: str, bk: int,
+                           device_type: str, quant_a: bool = False) -> QuantDispatchConfig:
+    """The built-in tiles of the quantized expert GEMMs. Row blocks from the mean rows per expert (decode: 16,
+    so few padding rows are multiplied); K step bk for FP8, 128 values (64 packed bytes) for
+    MXFP4. The interpreter gets the smallest tiles tl.dot takes (runtime grows with tile area)."""
+    if device_type != "cuda":
+        return QuantDispatchConfig(block_m=16, block_n1=bk if quant_a else 16, block_n2=32,
+                                   block_k=bk if fmt == "fp8" else 32 if H <= 32 or I <= 32 else 64,
+                                   group_m=4, num_warps=1, num_stages=1)
+    rows = T * K / max(E, 1)
+    block_m = 16 if rows <= 16 else 32 if rows <= 48 else 64
+    block_k = bk if fmt == "fp8" else 128
+    if fmt == "mxfp4" and rows >= 128:
+        # prefill: 128-row blocks decode each weight tile for twice the rows, the products
+        # computed transposed with 4 warps, 64-wide K steps: 1.07-1.15x of the same with
+        # 128-wide steps and 1.12-1.54x of 64-row blocks at gpt-oss-20b/120b T=512..8192 on
+        # the H100 (docs/design.md). From 128 rows per expert: at 64 (gpt-oss-20b T=512,
+        # gpt-oss-120b T=2048) half of each 128-row block is padding, and the 64-row tiles
+        # below measure 1.05-1.06x (H100: 611.6 -> 580.5 us, 2268.6 -> 2139.8 us, bit-equal);
+        # at 256 rows they are 0.85-0.87x.
+        return QuantDispatchConfig(block_m=128, block_n1=64, block_n2=128, block_k=64,
+                                   group_m=8, num_warps=4, num_stages=3, mxfp4_swap_ab=True,
+                                   dependent_launch=False)
+    if fmt == "mxfp4":
+        # Below 64 rows per expert: transposed too, 64-wide weight tiles, so that every T runs
+        # wgmma (64 weight rows as the MMA's M); mma.sync sums the decoded tile in another order
+        # (relative difference 3e-5..1e-4), which made a token's output depend on the batch.
+        # H100, against the earlier untransposed 32/64-wide tiles: gpt-oss-20b T=1 76.8 -> 85.0
+        # us (0.90x), T=8/32/128 1.02/1.03/1.04x; 64-wide K steps from T=32 on (1.03-1.05x;
+        # at T=1 0.77x).
+        # With at most 64 slots (T * K; few experts hit, a few hundred programs), gate and up
+        # rows are decoded as one [64, block_k] tile of 32 gate + 32 up rows (the MMA's M
+        # stays 64, the same sums: bit-equal), which gives twice the programs at 80 registers
+        # instead of 171 (ptxas, sm_90, the launch at T=1 and 8). H100, graph replay:
+        # gpt-oss-20b T=1 81.7 -> 75.5 us (1.08x), T=8 253.2 -> 232.0 (1.09x); at 512 slots
+        # (T=128) 0.97x.
+        # At <= 4 slots (gpt-oss T=1), 256-value K steps: half the K steps, the same MMA chain
+        # (bit-equal). H200, graph replay: gpt-oss-20b and -120b T=1 74.6 -> 68.7 us (1.09x);
+        # at 8 slots (T=2) 0.92-0.93x, so not beyond 4.
+        stacked = T * K <= 64
+        block_k = 256 if T * K <= 4 else 64 if T >= 32 else 128
+        return QuantDispatchConfig(block_m=block_m, block_n1=32 if stacked else 64, block_n2=64,
+                                   block_k=block_k, group_m=8, num_warps=4,
+                                   num_stages=3, mxfp4_swap_ab=True,
+                                   mxfp4_stacked_gate_up=stacked, dependent_launch=False)
+    if fmt == "fp8":
+        # wgmma tiles and 8 warps at every T: Hopper's FP8 wgmma (64-row tiles) and mma.sync
+        # (16/32-row tiles) round their float32 sums differently (relative difference 5e-3 on
+        # the H100), so one MMA kind at every T keeps a token's output independent of the batch;
+        # at decode this costs 0-3% (H100: Qwen3-30B-A3B T=1/8/128 41.9/120.5/252.8 ->
+        # 41.8/124.5/260.0 us, DeepSeek-V3 T=1/128 155.9/3861 -> 153.6/3872). The gate+up tile
+        # is one bk group of the activation it quantizes (128 columns: two [64, 128] float32
+        # accumulators). Four stages: one more K step in flight, the same sums (bit-equal);
+        # H100, two runs: Qwen3-30B-A3B T=1 40.5 -> 37.8 us, T=8 1.02x, T=2048 1.04x, T=8192
+        # 1.01x; DeepSeek-V3 T=1 1.01x, T=2048 4752 -> 4585 us. From 256 rows per expert,
+        # 128-row blocks (two 64-row wgmma halves, the same sums: outputs bit-equal to the
+        # 64-row tiles): each weight tile is read for twice the rows. H100, same run:
+        # DeepSeek-V3 T=8192 (256 rows) 1.14x, Qwen3-30B-A3B T=8192 (512 rows) 1.06x; at 64
+        # and 128 rows (DeepSeek-V3 / Qwen3 T=2048) 1.00x / 0.98x, so not below 256. W8A8 only
+        # (the weight-only path's 128-row tiles are not measured).
+        # At <= 8 rows per expert (W8A8), the products transposed (fp8_swap_ab) with 16-row
+        # blocks: the rows are the wgmma's N (m64n16k32) instead of a 64-row tile of padding;
+        # the same sums (bit-equal to the 64-row tiles at T = 1..2048 on the H200, so the
+        # same class). H200, graph replay: Qwen3-30B-A3B T=1/8/128 1.04/1.08/1.08x,
+        # DeepSeek-V3 T=1/8/128 1.01/1.03/1.02x; at 16 rows per expert (DeepSeek-V3 T=512)
+        # 0.94x (H100), at 128 rows 0.44-0.48x.
+        if quant_a and rows <= 8:
+            return QuantDispatchConfig(block_m=16, block_n1=bk, block_n2=128, block_k=block_k,
+                                       group_m=8, num_warps=4, num_stages=4, fp8_swap_ab=True)
+        return QuantDispatchConfig(block_m=128 if quant_a and rows >= 256 else 64,
+                                   block_n1=bk if quant_a else 64, block_n2=128,
+                                   block_k=block_k, group_m=8, num_warps=8, num_stages=4)
+    return QuantDispatchConfig(block_m=block_m, block_n1=64, block_n2=128, block_k=block_k,
+                               group_m=8, num_warps=4 if block_m < 64 else 8,
+                               num_stages=3)

@@ -10,7 +10,14 @@ table, then one shipped in the package (moe_ops/tuning/configs; none ships today
 Format (version 2):
 {"version": 2, "device": "NVIDIA H200", "triton": "3.6.0",
  "entries": [{"H": 2048, "I": 768, "E": 128, "K": 8, "dtype": "bfloat16",
-              "configs": {"1": {<DispatchConfig fields>}, "512": {...}}}]}
+              "configs": {"1": {<DispatchConfig fields>}, "512": {...}}},
+             {"H": 2880, "I": 2880, "E": 32, "K": 4, "dtype": "bfloat16",
+              "weights": "mxfp4-mma", "block_shape": null,
+              "configs": {"1": {<QuantDispatchConfig fields>}, ...}}]}
+An entry without "weights" is the unquantized experts' (DispatchConfig); one with it is the
+quantized experts' of that format (QuantDispatchConfig; "weights" one of QUANT_WEIGHTS, FP8
+entries with their [bn, bk] "block_shape"). Tables written before quantized entries existed
+read unchanged.
 """
 from __future__ import annotations
 
@@ -24,12 +31,15 @@ from pathlib import Path
 import torch
 
 from moe_ops import _env
-from moe_ops.tuning.configs import DispatchConfig
+from moe_ops.tuning.configs import DispatchConfig, QuantDispatchConfig
 
 # 2: DispatchConfig's descriptive field names (version-1 tables are refused with a message to
 # re-run moe-ops-tune)
 FORMAT_VERSION = 2
 _generation = 0   # tables written in this process (part of the memoised configs' keys)
+# the "weights" of quantized entries (moe-ops-bench's --weights values; heuristics.
+# quant_weights_name)
+QUANT_WEIGHTS = ("fp8", "fp8-w8a16", "mxfp4", "mxfp4-mma")
 
 
 def generation() -> int:
@@ -81,21 +91,46 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def config_to_dict(cfg: DispatchConfig) -> dict:
+def config_to_dict(cfg: DispatchConfig | QuantDispatchConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def config_from_dict(d: dict) -> DispatchConfig:
-    fields = {f.name for f in dataclasses.fields(DispatchConfig)}
+def config_from_dict(d: dict, cls=DispatchConfig):
+    """A `cls` config (DispatchConfig, or QuantDispatchConfig for quantized entries) from a
+    table's fields."""
+    fields = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - fields
     if unknown:
-        raise ValueError(f"unknown DispatchConfig fields in tuned table: {sorted(unknown)}")
-    required = {f.name for f in dataclasses.fields(DispatchConfig)
+        raise ValueError(f"unknown {cls.__name__} fields in tuned table: {sorted(unknown)}")
+    required = {f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
     missing = required - set(d)
     if missing:
-        raise ValueError(f"DispatchConfig fields missing in tuned table: {sorted(missing)}")
-    return DispatchConfig(**d)
+        raise ValueError(f"{cls.__name__} fields missing in tuned table: {sorted(missing)}")
+    return cls(**d)
+
+
+def _entry_class(entry: dict):
+    weights = entry.get("weights")
+    if weights is None:
+        return DispatchConfig
+    if weights not in QUANT_WEIGHTS:
+        raise ValueError(f"tuned table entry: weights must be one of {list(QUANT_WEIGHTS)}, got "
+                         f"{weights!r}")
+    bs = entry.get("block_shape")
+    if weights.startswith("fp8"):
+        if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(v, int) for v in bs)):
+            raise ValueError(f"tuned table entry: an FP8 entry needs block_shape [bn, bk], got "
+                             f"{bs!r}")
+    elif bs is not None:
+        raise ValueError(f"tuned table entry: an MXFP4 entry has block_shape null, got {bs!r}")
+    return QuantDispatchConfig
+
+
+def _entry_key(entry: dict) -> tuple:
+    bs = entry.get("block_shape")
+    return (entry["H"], entry["I"], entry["E"], entry["K"], entry["dtype"],
+            entry.get("weights"), tuple(bs) if bs is not None else None)
 
 
 def validate_table(table: dict) -> None:
@@ -105,9 +140,10 @@ def validate_table(table: dict) -> None:
         for key in ("H", "I", "E", "K", "dtype", "configs"):
             if key not in entry:
                 raise ValueError(f"tuned table entry lacks {key!r}: {entry}")
+        cls = _entry_class(entry)
         for t, cfg in entry["configs"].items():
             int(t)
-            config_from_dict(cfg)
+            config_from_dict(cfg, cls)
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,22 +166,24 @@ def _load(path: str) -> dict | None:
 
 
 def lookup(T: int, E: int, K: int, H: int, I: int, dtype: torch.dtype, device_name: str,
-           directory=None) -> DispatchConfig | None:
-    """The tuned config of the entry matching (H, I, E, K, dtype) at the measured token count
-    nearest to T (in log space), or None."""
-    # (runs once per shape: heuristics.dispatch_config memoises the answer)
+           directory=None, weights: str | None = None, block_shape=None):
+    """The tuned config of the entry matching (H, I, E, K, dtype) and the weight format
+    (`weights`: None for unquantized experts, else one of QUANT_WEIGHTS with FP8's
+    `block_shape` [bn, bk]) at the measured token count nearest to T (in log space), or None."""
+    # (runs once per shape: the heuristics module memoises the answer)
     path = find_table(device_name, directory)
     table = _load(str(path)) if path is not None else None
     if table is None:
         return None
-    name = _dtype_name(dtype)
+    key = (H, I, E, K, _dtype_name(dtype), weights,
+           tuple(block_shape) if block_shape is not None else None)
     for entry in table["entries"]:
-        if (entry["H"], entry["I"], entry["E"], entry["K"], entry["dtype"]) == (H, I, E, K, name):
+        if _entry_key(entry) == key:
             measured = sorted(int(t) for t in entry["configs"])
             if not measured:
                 return None
             best = min(measured, key=lambda t: abs(math.log(max(t, 1)) - math.log(max(T, 1))))
-            return config_from_dict(entry["configs"][str(best)])
+            return config_from_dict(entry["configs"][str(best)], _entry_class(entry))
     return None
 
 
@@ -156,15 +194,16 @@ def read_table(device_name: str, directory=None) -> dict | None:
 
 
 def write_table(device_name: str, entries: list[dict], directory=None, triton_version=None) -> Path:
-    """Merges `entries` into the device's table (same shape and dtype: token counts updated)."""
+    """Merges `entries` into the device's table (same shape, dtype and weight format: token
+    counts updated)."""
     path = table_path(device_name, directory)
     table = read_table(device_name, directory)
     table = json.loads(json.dumps(table)) if table else {
         "version": FORMAT_VERSION, "device": device_name, "triton": triton_version, "entries": []}
     for new in entries:
-        key = (new["H"], new["I"], new["E"], new["K"], new["dtype"])
+        key = _entry_key(new)
         for old in table["entries"]:
-            if (old["H"], old["I"], old["E"], old["K"], old["dtype"]) == key:
+            if _entry_key(old) == key:
                 old["configs"].update(new["configs"])
                 break
         else:

@@ -594,3 +594,29 @@ def test_mxfp4_dequant_rows_bit_equal(T):
                            out=out)
         assert torch.isfinite(ref).all(), layout
         assert torch.equal(out, ref), (layout, rel_err(out, ref.double()))
+
+
+def test_quant_tune_short_run_writes_a_table_the_call_uses(tmp_path, monkeypatch):
+    """moe-ops-tune --weights mxfp4-mma --quick at gpt-oss-20b T = 1: every kept candidate is
+    bitwise the heuristic's (tune_quant_shape checks it), the table's entry is what the next
+    quantized call picks, and that call's output is bitwise the heuristic config's."""
+    from moe_ops.launch.quant import quant_dispatch_config
+    from moe_ops.mxfp4_layout import swizzle_mxfp4
+    from moe_ops.tools import tune
+    from moe_ops.tuning import tables
+
+    monkeypatch.setenv("MOE_OPS_TUNING_DIR", str(tmp_path))
+    E, K, H, I = SHAPES["gpt_oss_20b"]
+    tune.main(["--weights", "mxfp4-mma", "--shapes", "gpt_oss_20b", "--tokens", "1", "--quick"])
+    name = torch.cuda.get_device_name()
+    tuned = tables.lookup(1, E, K, H, I, torch.bfloat16, name, weights="mxfp4-mma")
+    assert tuned is not None
+    assert quant_dispatch_config(1, E, K, H, I, "mxfp4", 32, "cuda", dtype=torch.bfloat16,
+                                 mma=True, bn=1) == tuned
+    hidden, b13, b2, tw, ids, kw = _gpt_oss_20b_mxfp4(1, 1500)
+    w13, w2 = swizzle_mxfp4(b13), swizzle_mxfp4(b2)
+    base = tune.quant_heuristic_config(1, E, K, H, I, "mxfp4", 32, "cuda")
+    ref = dispatch_quantized(hidden, w13, w2, tw, ids, **kw, config=base, mxfp4_layout="mma")
+    out = torch.full_like(ref, float("nan"))
+    dispatch_quantized(hidden, w13, w2, tw, ids, **kw, mxfp4_layout="mma", out=out)
+    assert torch.equal(out, ref)

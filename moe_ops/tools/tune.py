@@ -83,32 +83,46 @@ def _time(fn, device_type):
     return triton.testing.do_bench(graph.replay, warmup=5, rep=20, return_mode="median")
 
 
+def _fastest(label, cands, run, reject, device_type, progress):
+    """The fastest of the configs `cands` whose output `run(config=c)` `reject` passes (it
+    returns None, or the reason to drop the config); configs that fail to compile or launch are
+    skipped. Raises naming `label` (the shape and T) when none is left."""
+    best = None
+    for cfg in cands:
+        progress(label)
+        try:
+            reason = reject(run(config=cfg))
+            if reason:
+                print(f"  rejected {cfg}: {reason}", file=sys.stderr)
+                continue
+            ms = _time(functools.partial(run, config=cfg), device_type)
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is skipped
+            print(f"  skipped {cfg}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    if best is None:
+        raise RuntimeError(f"moe-ops-tune: every candidate config failed or was rejected at "
+                           f"{label} (the reasons are printed above); no table was written")
+    print(f"{label}: best {best[0] * 1e3:.1f} us {best[1]}")
+    return best[1]
+
+
 def tune_shape(H, I, E, K, tokens, dtype, device, progress, quick=False):
     configs = {}
+    tol = 1e-2 if dtype != torch.float32 else 1e-4
     for T in tokens:
         args = make_dispatch_inputs(T, H, I, E, K, dtype=dtype, device=device, weight_std=0.02)
         ref = dispatch_triton(*args, config=heuristic_config(T, E, K, H, I, device.type, dtype))
-        best = None
-        for cfg in candidates(T, E, K, H, I, dtype, device.type, quick):
-            progress(f"H={H} I={I} E={E} K={K} T={T}")
-            try:
-                out = dispatch_triton(*args, config=cfg)
-                err = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
-                if not err <= (1e-2 if dtype != torch.float32 else 1e-4):
-                    print(f"  rejected {cfg}: relative difference {err:.1e}", file=sys.stderr)
-                    continue
-                ms = _time(functools.partial(dispatch_triton, *args, config=cfg), device.type)
-            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is skipped
-                print(f"  skipped {cfg}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
-                continue
-            if best is None or ms < best[0]:
-                best = (ms, cfg)
-        if best is None:
-            raise RuntimeError(
-                f"moe-ops-tune: every candidate config failed or was rejected at H={H} I={I} "
-                f"E={E} K={K} T={T} (the reasons are printed above); no table was written")
-        print(f"H={H} I={I} E={E} K={K} T={T}: best {best[0] * 1e3:.1f} us {best[1]}")
-        configs[str(T)] = config_to_dict(best[1])
+
+        def reject(out):
+            err = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+            return None if err <= tol else f"relative difference {err:.1e}"
+
+        best = _fastest(f"H={H} I={I} E={E} K={K} T={T}",
+                        candidates(T, E, K, H, I, dtype, device.type, quick),
+                        functools.partial(dispatch_triton, *args), reject, device.type, progress)
+        configs[str(T)] = config_to_dict(best)
         del args, ref
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -192,34 +206,21 @@ def tune_quant_shape(H, I, E, K, tokens, dtype, device, progress, qf, quick=Fals
     configs = {}
     for T in tokens:
         args, kw = quant_inputs(T, H, I, E, K, qf, dtype, device)
+        run = functools.partial(dispatch_quantized, *args, **kw)
         base = quant_heuristic_config(T, E, K, H, I, qf.fmt, bk, device.type,
                                       qf.quantize_activations)
-        ref = _bits(dispatch_quantized(*args, **kw, config=base))
-        best = None
-        for cfg in quant_candidates(T, E, K, H, I, qf, device.type, quick):
-            progress(f"{qf.name} H={H} I={I} E={E} K={K} T={T}")
-            try:
-                out = dispatch_quantized(*args, **kw, config=cfg)
-                if not torch.equal(_bits(out), ref):
-                    diff = int((_bits(out) != ref).sum())
-                    print(f"  rejected {cfg}: {diff} of {ref.numel()} outputs differ from the "
-                          f"heuristic config's bits", file=sys.stderr)
-                    continue
-                ms = _time(functools.partial(dispatch_quantized, *args, **kw, config=cfg),
-                           device.type)
-            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is skipped
-                print(f"  skipped {cfg}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
-                continue
-            if best is None or ms < best[0]:
-                best = (ms, cfg)
-        if best is None:
-            raise RuntimeError(
-                f"moe-ops-tune: every candidate config failed or was rejected at {qf.name} "
-                f"H={H} I={I} E={E} K={K} T={T} (the reasons are printed above); no table was "
-                "written")
-        print(f"{qf.name} H={H} I={I} E={E} K={K} T={T}: best {best[0] * 1e3:.1f} us {best[1]}")
-        configs[str(T)] = config_to_dict(best[1])
-        del args, kw, ref
+        ref = _bits(run(config=base))
+
+        def reject(out):
+            diff = int((_bits(out) != ref).sum())
+            return f"{diff} of {ref.numel()} outputs differ from the heuristic config's bits" \
+                if diff else None
+
+        best = _fastest(f"{qf.name} H={H} I={I} E={E} K={K} T={T}",
+                        quant_candidates(T, E, K, H, I, qf, device.type, quick), run, reject,
+                        device.type, progress)
+        configs[str(T)] = config_to_dict(best)
+        del args, kw, run, ref
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"H": H, "I": I, "E": E, "K": K, "dtype": str(dtype).removeprefix("torch."),

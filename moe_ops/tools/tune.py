@@ -115,7 +115,7 @@ def tune_shape(H, I, E, K, tokens, dtype, device, progress, quick=False):
         args = make_dispatch_inputs(T, H, I, E, K, dtype=dtype, device=device, weight_std=0.02)
         ref = dispatch_triton(*args, config=heuristic_config(T, E, K, H, I, device.type, dtype))
 
-        def reject(out):
+        def reject(out, ref=ref):
             err = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
             return None if err <= tol else f"relative difference {err:.1e}"
 
@@ -123,7 +123,7 @@ def tune_shape(H, I, E, K, tokens, dtype, device, progress, quick=False):
                         candidates(T, E, K, H, I, dtype, device.type, quick),
                         functools.partial(dispatch_triton, *args), reject, device.type, progress)
         configs[str(T)] = config_to_dict(best)
-        del args, ref
+        del args, ref, reject
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"H": H, "I": I, "E": E, "K": K, "dtype": str(dtype).removeprefix("torch."),
@@ -211,7 +211,7 @@ def tune_quant_shape(H, I, E, K, tokens, dtype, device, progress, qf, quick=Fals
                                       qf.quantize_activations)
         ref = _bits(run(config=base))
 
-        def reject(out):
+        def reject(out, ref=ref):
             diff = int((_bits(out) != ref).sum())
             return f"{diff} of {ref.numel()} outputs differ from the heuristic config's bits" \
                 if diff else None
@@ -220,7 +220,7 @@ def tune_quant_shape(H, I, E, K, tokens, dtype, device, progress, qf, quick=Fals
                         quant_candidates(T, E, K, H, I, qf, device.type, quick), run, reject,
                         device.type, progress)
         configs[str(T)] = config_to_dict(best)
-        del args, kw, run, ref
+        del args, kw, run, ref, reject
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"H": H, "I": I, "E": E, "K": K, "dtype": str(dtype).removeprefix("torch."),

@@ -205,7 +205,7 @@ def test_word_operands_reads_layouts(compile_check):
 def test_mxfp4_one_factor_compiles_two_loops(compile_check, T, layout):
     """QuantDispatchConfig.mxfp4_one_factor at gpt-oss-20b, compiled for sm_90: both expert GEMMs
     keep wgmma (no mma.sync), whole-word operands with the mma layout and their asynchronous tile
-    copies, and hold two K loops, one multiplication per decoded pair in one and two in the
+    copies, and hold two K loops in the default build's shared memory, one multiplication per decoded pair in one and two in the
     other: 1.5 times the default build's packed multiplications."""
     import dataclasses
 
@@ -223,6 +223,9 @@ def test_mxfp4_one_factor_compiles_two_loops(compile_check, T, layout):
         (c0,), (c1,) = builds[False][kname], builds[True][kname]
         assert c1.wgmma > 0 and c1.mma == 0, (kname, c1.wgmma, c1.mma)
         assert c1.cp_async >= c0.cp_async > 0, (kname, c0.cp_async, c1.cp_async)
+        # the loops run one after the other, so their tile buffers share shared memory (as
+        # branches of an if, each had its own: 2x the bytes, fewer programs per SM)
+        assert c1.shared == c0.shared, (kname, c0.shared, c1.shared)
         if layout == "mma":
             words = compile_check.word_operands(c1.ttgir)
             assert words and all(words), (kname, words)

@@ -748,13 +748,20 @@ def quant_gate_up_kernel(
         one = scales_at_most_128(g_s, g_mask, H, stride_sk, 32)
         if not STACK_GU:
             one = one & scales_at_most_128(u_s, n_mask, H, stride_sk, 32)
-    if one:
+    if ONE_FACTOR:   # the two K loops one after the other, so that their tile buffers
+        k1 = tl.where(one, H, 0)   # share shared memory; k1: all steps or none
         acc_g, acc_u = gate_up_k_loop(
             acc_g, acc_u, a_ptrs, g_w, g_s, g_wm, g_mask, u_w, u_s, u_wm, n_mask, offs_k,
-            row_valid, tok, tw, xs_ptr, stride_xs, H, stride_xh, stride_wk, stride_sk, WFMT,
+            row_valid, tok, tw, xs_ptr, stride_xs, k1, stride_xh, stride_wk, stride_sk, WFMT,
             QUANT_A, WEIGHTS_ON_INPUT, EMULATE, OP_DTYPE, DOT_PRECISION, BLOCK_K,
             A_PREQUANT, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K, PREFETCH_SCALES,
             STACK_GU, MMA_LAYOUT, True)
+        acc_g, acc_u = gate_up_k_loop(
+            acc_g, acc_u, a_ptrs, g_w, g_s, g_wm, g_mask, u_w, u_s, u_wm, n_mask, offs_k,
+            row_valid, tok, tw, xs_ptr, stride_xs, H - k1, stride_xh, stride_wk, stride_sk, WFMT,
+            QUANT_A, WEIGHTS_ON_INPUT, EMULATE, OP_DTYPE, DOT_PRECISION, BLOCK_K,
+            A_PREQUANT, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K, PREFETCH_SCALES,
+            STACK_GU, MMA_LAYOUT, False)
     else:
         acc_g, acc_u = gate_up_k_loop(
             acc_g, acc_u, a_ptrs, g_w, g_s, g_wm, g_mask, u_w, u_s, u_wm, n_mask, offs_k,
@@ -884,11 +891,16 @@ def quant_down_kernel(
     one = False   # (as in quant_gate_up_kernel)
     if ONE_FACTOR:   # one K loop per scale range, chosen once per program
         one = scales_at_most_128(s_n, n_mask, I, stride_sk, 32)
-    if one:
+    if ONE_FACTOR:   # the two K loops one after the other, so that their tile buffers
+        k1 = tl.where(one, I, 0)   # share shared memory; k1: all steps or none
         acc = down_k_loop(acc, a_ptrs, w_n, s_n, w_m, n_mask, offs_k, rows, row_valid, tw,
-            act_scale_ptr, stride_as, I, stride_wk, stride_sk, WFMT, QUANT_A, EMULATE,
+            act_scale_ptr, stride_as, k1, stride_wk, stride_sk, WFMT, QUANT_A, EMULATE,
             OP_DTYPE, DOT_PRECISION, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,
             QUANT_GATHER, EVEN_K, PREFETCH_SCALES, MMA_LAYOUT, True)
+        acc = down_k_loop(acc, a_ptrs, w_n, s_n, w_m, n_mask, offs_k, rows, row_valid, tw,
+            act_scale_ptr, stride_as, I - k1, stride_wk, stride_sk, WFMT, QUANT_A, EMULATE,
+            OP_DTYPE, DOT_PRECISION, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,
+            QUANT_GATHER, EVEN_K, PREFETCH_SCALES, MMA_LAYOUT, False)
     else:
         acc = down_k_loop(acc, a_ptrs, w_n, s_n, w_m, n_mask, offs_k, rows, row_valid, tw,
             act_scale_ptr, stride_as, I, stride_wk, stride_sk, WFMT, QUANT_A, EMULATE,

@@ -118,12 +118,13 @@ def e8m0_decode(s):
 @triton.jit
 def e8m0_bf16_factors(sc):
     """The two bf16 factors whose product scales a bit-placed e2m1 value (the code times
-    2^-126) by its e8m0 byte s: 2^(min(s, 128) - 1) and 2^(max(s, 128) - 128), each exact in
-    bf16, so the two multiplications round nothing (s == 255: inf, as e8m0_decode)."""
+    2^-126) by its e8m0 byte s: the constant 2^126, which restores the code exactly, then
+    2^(s - 127), whose bits are s << 7 (s == 0: the subnormal 2^-127, bits 0x40; s == 255: inf,
+    as e8m0_decode). The product is the code times 2^(s - 127) rounded once, as any split of
+    2^(s - 1) in two bf16 factors gives: two integer operations per scale byte."""
     s16 = sc.to(tl.int16)
-    f1 = ((tl.minimum(s16, 128) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    f2 = tl.where(s16 == 255, 0x7F80, (tl.maximum(s16, 128) - 1) << 7).to(tl.int16)
-    return f1, f2.to(tl.bfloat16, bitcast=True)
+    f2 = tl.maximum(s16 << 7, 0x40).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.full(f2.shape, 8.507059173023462e37, tl.bfloat16), f2
 
 
 @triton.jit
@@ -162,9 +163,10 @@ def mxfp4_tile_bits(p, sc, BN: tl.constexpr, BLOCK_K: tl.constexpr, OP_DTYPE: tl
     their e8m0 scale bytes sc [BN, BLOCK_K // 32], by bit placement (GPU, bfloat16 operands):
     the code's exponent and mantissa bits placed at bf16's lowest exponent bits give the value
     times 2^-126 (code 1, 0.5, lands on the subnormal 2^-127: exact), and the multiplication by
-    2^126 * 2^(s - 127) = 2^(s - 1), split in two factors that bf16 can hold (2^(min(s, 128) - 1)
-    and 2^(max(s, 128) - 128)), rounds nothing (s == 255: inf). Six integer operations and two multiplications
-    per pair of values instead of the arithmetic decode's float32 detour."""
+    2^126 * 2^(s - 127) = 2^(s - 1), split in two factors that bf16 can hold
+    (e8m0_bf16_factors), rounds once, as the reference's float32 product then cast does (s ==
+    255: inf). Six integer operations and two multiplications per pair of values instead of the
+    arithmetic decode's float32 detour."""
     p16 = p.to(tl.int16)
     # Triton promotes int16 op Python-int to int32: every value is cut back to 16 bits before
     # the bitcast (the truncation keeps the bit pattern, sign bit included)
@@ -748,8 +750,8 @@ def quant_gate_up_kernel(
         one = scales_at_most_128(g_s, g_mask, H, stride_sk, 32)
         if not STACK_GU:
             one = one & scales_at_most_128(u_s, n_mask, H, stride_sk, 32)
-    if ONE_FACTOR:   # the two K loops one after the other, so that their tile buffers
-        k1 = tl.where(one, H, 0)   # share shared memory; k1: all steps or none
+    if ONE_FACTOR:   # two K loops one after the other (their buffers share shared memory),
+        k1 = tl.where(one, H, 0)   # the steps of the one-factor loop: all or none
         acc_g, acc_u = gate_up_k_loop(
             acc_g, acc_u, a_ptrs, g_w, g_s, g_wm, g_mask, u_w, u_s, u_wm, n_mask, offs_k,
             row_valid, tok, tw, xs_ptr, stride_xs, k1, stride_xh, stride_wk, stride_sk, WFMT,
@@ -763,6 +765,7 @@ def quant_gate_up_kernel(
             A_PREQUANT, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K, PREFETCH_SCALES,
             STACK_GU, MMA_LAYOUT, False)
     else:
+        tl.assume(H > 0)   # (the launcher guarantees it; see gate_up_k_loop)
         acc_g, acc_u = gate_up_k_loop(
             acc_g, acc_u, a_ptrs, g_w, g_s, g_wm, g_mask, u_w, u_s, u_wm, n_mask, offs_k,
             row_valid, tok, tw, xs_ptr, stride_xs, H, stride_xh, stride_wk, stride_sk, WFMT,
@@ -891,8 +894,8 @@ def quant_down_kernel(
     one = False   # (as in quant_gate_up_kernel)
     if ONE_FACTOR:   # one K loop per scale range, chosen once per program
         one = scales_at_most_128(s_n, n_mask, I, stride_sk, 32)
-    if ONE_FACTOR:   # the two K loops one after the other, so that their tile buffers
-        k1 = tl.where(one, I, 0)   # share shared memory; k1: all steps or none
+    if ONE_FACTOR:   # two K loops one after the other (their buffers share shared memory),
+        k1 = tl.where(one, I, 0)   # the steps of the one-factor loop: all or none
         acc = down_k_loop(acc, a_ptrs, w_n, s_n, w_m, n_mask, offs_k, rows, row_valid, tw,
             act_scale_ptr, stride_as, k1, stride_wk, stride_sk, WFMT, QUANT_A, EMULATE,
             OP_DTYPE, DOT_PRECISION, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,
@@ -902,6 +905,7 @@ def quant_down_kernel(
             OP_DTYPE, DOT_PRECISION, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,
             QUANT_GATHER, EVEN_K, PREFETCH_SCALES, MMA_LAYOUT, False)
     else:
+        tl.assume(I > 0)   # (the launcher guarantees it; see gate_up_k_loop)
         acc = down_k_loop(acc, a_ptrs, w_n, s_n, w_m, n_mask, offs_k, rows, row_valid, tw,
             act_scale_ptr, stride_as, I, stride_wk, stride_sk, WFMT, QUANT_A, EMULATE,
             OP_DTYPE, DOT_PRECISION, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,

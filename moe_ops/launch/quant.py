@@ -80,6 +80,16 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         out = torch.empty(T, H, dtype=hidden.dtype, device=dev)
     if T == 0:
         return out
+    if H == 0 or I == 0:
+        # no reduction to run: the kernels' K loops assume a positive length (tl.assume, which
+        # lets ptxas pipeline the wgmma chain of the MXFP4 K step); the reference gives the
+        # output, 0 or the bias terms alone
+        from moe_ops.reference.quant import quantized_dispatch_reference
+
+        return out.copy_(quantized_dispatch_reference(
+            hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, alpha, limit,
+            gate_up_interleaved, weights_on_input, w13_scale, w2_scale, block_shape,
+            quantize_activations, mxfp4_layout=mxfp4_layout))
     emulate = _interpreted(dev)
     quant_a = fmt == "fp8" and bool(quantize_activations)
     cfg = config or quant_dispatch_config(T, E, K, H, I, fmt, bk,

@@ -40,8 +40,11 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
   # The three groups partition the GPU tests: the forward GPU files, the backward one, the rest.
   run_group() {  # name, pytest args...
     local name=$1; shift
-    local workers=()
-    [ -n "${PYTEST_WORKERS:-}" ] && workers=(-n "$PYTEST_WORKERS")
+    local workers=() n=${PYTEST_WORKERS:-}
+    # below 100 GiB the forward and backward groups' float64 references (up to ~60 GiB for
+    # DeepSeek-V3) leave room for two workers, not four (H100, 4 workers: 30 tests out of memory)
+    if [ -n "$n" ] && [ "$small" = 1 ] && [ "$name" != rest ] && [ "$n" -gt 2 ]; then n=2; fi
+    [ -n "$n" ] && workers=(-n "$n")
     # -v: one line per test as it finishes, so that a group cut off by its timeout still names
     # its failures (pytest's summary, -rf, prints only at the end)
     timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rf -m "$mexpr" -p no:cacheprovider --durations=5 "${workers[@]}" "$@" "${extra[@]}" \
@@ -54,14 +57,21 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
   # float64 references take ~60 GiB, runs alone after the other two: all three at once ran out
   # of memory there (9 tests, H100, Triton 3.7.1).
   mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  run_group forward tests/test_dispatch_gpu.py tests/test_route_gpu.py &
-  if [ "${mem_mib:-0}" -lt 100000 ]; then wait_backward=1; else wait_backward=0
-    run_group backward tests/test_dispatch_backward_gpu.py &
+  small=0; [ "${mem_mib:-0}" -lt 100000 ] && small=1
+  rest=(tests --ignore=tests/test_dispatch_gpu.py --ignore=tests/test_route_gpu.py
+        --ignore=tests/test_dispatch_backward_gpu.py)
+  if [ "$small" = 1 ] && [ -n "${PYTEST_WORKERS:-}" ]; then
+    # with several workers per group, one group at a time (two side by side ran out of memory)
+    run_group forward tests/test_dispatch_gpu.py tests/test_route_gpu.py
+    run_group rest "${rest[@]}"
+    run_group backward tests/test_dispatch_backward_gpu.py
+  else
+    run_group forward tests/test_dispatch_gpu.py tests/test_route_gpu.py &
+    [ "$small" = 0 ] && run_group backward tests/test_dispatch_backward_gpu.py &
+    run_group rest "${rest[@]}" &
+    wait
+    [ "$small" = 1 ] && run_group backward tests/test_dispatch_backward_gpu.py
   fi
-  run_group rest tests --ignore=tests/test_dispatch_gpu.py --ignore=tests/test_route_gpu.py \
-    --ignore=tests/test_dispatch_backward_gpu.py &
-  wait
-  [ "$wait_backward" = 1 ] && run_group backward tests/test_dispatch_backward_gpu.py
   grep -h " FAILED\| ERROR\|^FAILED\|^ERROR" "$out"/gpu_tests_*.log | grep -o "tests/[^ ]*" | sort -u | head -30
 fi
 if [ "$stage" = quant ]; then

@@ -205,8 +205,10 @@ def test_word_operands_reads_layouts(compile_check):
 def test_mxfp4_one_factor_compiles_two_loops(compile_check, T, layout):
     """QuantDispatchConfig.mxfp4_one_factor at gpt-oss-20b, compiled for sm_90: both expert GEMMs
     keep wgmma (no mma.sync), whole-word operands with the mma layout and their asynchronous tile
-    copies, and hold two K loops in the default build's shared memory, one multiplication per decoded pair in one and two in the
-    other: 1.5 times the default build's packed multiplications."""
+    copies, and hold two K loops in the default build's shared memory, one multiplication per
+    decoded pair in one and two in the other: 1.5 times the default build's packed
+    multiplications. With the mma layout and
+    128-row blocks (T = 2048) the launcher ignores the flag: the same build as the default."""
     import dataclasses
 
     from moe_ops.launch import quant
@@ -221,6 +223,10 @@ def test_mxfp4_one_factor_compiles_two_loops(compile_check, T, layout):
         builds[one] = _compile_all(compile_check, launches)
     for kname in ("quant_gate_up_kernel", "quant_down_kernel"):
         (c0,), (c1,) = builds[False][kname], builds[True][kname]
+        if layout == "mma" and base.block_m > 16:
+            # the launcher keeps the two-factor loop there (not bit-equal on the GPU)
+            assert c1.ptx == c0.ptx, kname
+            continue
         assert c1.wgmma > 0 and c1.mma == 0, (kname, c1.wgmma, c1.mma)
         assert c1.cp_async >= c0.cp_async > 0, (kname, c0.cp_async, c1.cp_async)
         # the loops run one after the other, so their tile buffers share shared memory (as

@@ -153,8 +153,9 @@ def quant_candidates(T, E, K, H, I, qf, device_type, quick=False):
     if fmt == "mxfp4":
         single += [r(base, block_k=k) for k in (64, 128, 256)]
         single += [r(base, block_n1=n) for n in (32, 64, 128)]
-        single += [r(base, mxfp4_stacked_gate_up=not base.mxfp4_stacked_gate_up),
-                   r(base, mxfp4_one_factor=True)]
+        # (not mxfp4_one_factor: its outputs were bit-equal on some data and not on other data
+        # at T = 2048 with the mma layout, so one tuning input cannot vouch for it)
+        single += [r(base, mxfp4_stacked_gate_up=not base.mxfp4_stacked_gate_up)]
     else:
         block_ms = [m for m in block_ms if m >= 64] or [64]
         if quant_a and rows <= 32:

@@ -348,6 +348,35 @@ def test_fp8_edges(interpreter):
     assert torch.equal(dispatch_quantized(h_t, q13, q2, tw_t, ids, **kw), a)
 
 
+def test_zero_width_experts():
+    """I = 0 (and H = 0): no reduction to run. The kernels' K loops assume a positive length, so
+    the launcher answers from the reference: zeros, or with gpt-oss's biases the weighted sum of
+    the down biases of each token's experts (the SwiGLU of an empty gate/up row is empty)."""
+    T, E, K, H = 3, 4, 2, 64
+    ids = torch.tensor([[0, 1], [2, 3], [1, -1]], dtype=torch.int32)
+    tw = torch.tensor([[0.25, 0.75], [0.5, 0.5], [1.0, 3.0]])
+    h = torch.randn(T, H).bfloat16()
+    fp8 = torch.float8_e4m3fn
+    out = dispatch_quantized(h, torch.zeros(E, 0, H).to(fp8), torch.zeros(E, H, 0).to(fp8), tw, ids,
+                             w13_scale=torch.ones(E, 0, 1), w2_scale=torch.ones(E, 1, 0),
+                             block_shape=[128, 128], out=_poisoned(h))
+    assert torch.equal(out, torch.zeros_like(out))
+    b2 = torch.randn(E, H).bfloat16()
+    out = dispatch_quantized(h, torch.zeros(E, 0, H // 2, dtype=torch.uint8),
+                             torch.zeros(E, H, 0, dtype=torch.uint8), tw, ids,
+                             w13_scale=torch.zeros(E, 0, H // 32, dtype=torch.uint8),
+                             w2_scale=torch.zeros(E, H, 0, dtype=torch.uint8),
+                             activation="swiglu_oai", gate_up_interleaved=True,
+                             w13_bias=torch.zeros(E, 0).bfloat16(), w2_bias=b2, out=_poisoned(h))
+    want = torch.stack([0.25 * b2[0].double() + 0.75 * b2[1].double(),
+                        0.5 * b2[2].double() + 0.5 * b2[3].double(), b2[1].double()])
+    assert torch.allclose(out.double(), want, rtol=1e-2, atol=1e-2), (out, want)
+    out = dispatch_quantized(h[:, :0], torch.zeros(E, 32, 0).to(fp8), torch.zeros(E, 0, 16).to(fp8),
+                             tw, ids, w13_scale=torch.ones(E, 1, 0), w2_scale=torch.ones(E, 0, 1),
+                             block_shape=[128, 128])
+    assert out.shape == (T, 0)
+
+
 # ---------------------------------------------------------------- MXFP4 through the interpreter
 
 @pytest.mark.parametrize("variant", ["plain", "gpt_oss", "weights_on_input"])

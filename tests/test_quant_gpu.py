@@ -540,7 +540,9 @@ def test_mxfp4_one_factor_bit_equal(T, big):
     """QuantDispatchConfig.mxfp4_one_factor (one multiplication per decoded pair in programs whose
     scale bytes are all <= 128) gives the default decode's outputs bit for bit at gpt-oss-20b,
     plain and mma layouts; `big` puts bytes > 128 (and the subnormal edges) in a few of the
-    rows, so that those programs take the two-factor loop and the others the one-factor loop."""
+    rows, so that those programs take the two-factor loop and the others the one-factor loop.
+    With the mma layout above 16-row blocks (T = 2048 here) the launcher ignores the flag: the
+    one-factor loop's outputs differed there (H100, Triton 3.6; docs/design.md)."""
     import dataclasses
 
     from moe_ops.launch.quant import quant_dispatch_config

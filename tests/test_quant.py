@@ -352,7 +352,7 @@ def test_zero_width_experts():
     """I = 0 (and H = 0): no reduction to run. The kernels' K loops assume a positive length, so
     the launcher answers from the reference: zeros, or with gpt-oss's biases the weighted sum of
     the down biases of each token's experts (the SwiGLU of an empty gate/up row is empty)."""
-    T, E, K, H = 3, 4, 2, 64
+    T, E, H = 3, 4, 64
     ids = torch.tensor([[0, 1], [2, 3], [1, -1]], dtype=torch.int32)
     tw = torch.tensor([[0.25, 0.75], [0.5, 0.5], [1.0, 3.0]])
     h = torch.randn(T, H).bfloat16()

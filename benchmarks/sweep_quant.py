@@ -1,8 +1,8 @@
 """Tile and path variants of the quantized expert GEMMs on the GPU: each variant of
 moe_ops.launch.quant.QuantDispatchConfig (fields overridden on the heuristic config of each cell)
 timed by CUDA-graph replay (median of triton.testing.do_bench, L2 flushed), its output compared
-with the heuristic config's, and the heuristic config's time split per kernel (torch.profiler;
-every variant's with --split-all).
+with the heuristic config's (each checked output written into a NaN-filled buffer), and the
+heuristic config's time split per kernel (torch.profiler; every variant's with --split-all).
 
     python benchmarks/sweep_quant.py --cells deepseek_v3:1,128,2048 gpt_oss_20b:1,2048 \
         --fp8 "block_m=64,num_warps=8" "num_stages=4" --mxfp4 "mxfp4_dot_scaled=1" \
@@ -135,11 +135,16 @@ def main():
                         getattr(base_v, k), bool) else v) for k, v in fields.items()})
                     extra = {"quantize_activations": qa} if fmt == "fp8" else {}
 
-                    def fn(cfg=cfg, extra=extra, args=(hidden, *wts, tw, ids), qkw=qkw_v):
-                        return dispatch_quantized(*args, **qkw, **extra, config=cfg)
-                    out = fn().float()
+                    def fn(cfg=cfg, extra=extra, args=(hidden, *wts, tw, ids), qkw=qkw_v,
+                           out=None):
+                        return dispatch_quantized(*args, **qkw, **extra, config=cfg, out=out)
+                    # the checked output goes to a NaN-poisoned buffer: a fresh one could hold
+                    # the previous variant's values where a kernel writes nothing
+                    out = fn(out=torch.full((T, H), float("nan"), device="cuda",
+                                            dtype=hidden.dtype)).float()
                     if not torch.isfinite(out).all():
-                        raise RuntimeError("non-finite output")
+                        raise RuntimeError(f"non-finite output ({int((~out.isfinite()).sum())} "
+                                           f"of {out.numel()})")
                     graph, _ = capture_graph(fn)
                     us = timer(graph.replay) * 1e3
                     if ref is None or opts.split_all:

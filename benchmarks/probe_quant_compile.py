@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 
@@ -37,16 +35,7 @@ SHAPES = {  # (H, I, E, K), format, gpt-oss variant (biases, swiglu_oai, interle
 def ptxas_report(ptx: str) -> tuple[str, str]:
     """(registers, spill store bytes) of a kernel's PTX for sm_90a from Triton's own ptxas
     ('?' where that ptxas cannot be run here)."""
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-        path = get_ptxas(90).path
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(ptx)
-            f.flush()
-            log = subprocess.run([path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
-                                 capture_output=True, text=True, timeout=300).stderr
-    except Exception:  # noqa: BLE001 - the report is optional
-        return "?", "?"
+    log = cc.ptxas_log(ptx) or ""
     regs = re.findall(r"Used (\d+) registers", log)
     spill = re.findall(r"(\d+) bytes spill stores", log)
     return (regs[0] if regs else "?"), (spill[0] if spill else "?")

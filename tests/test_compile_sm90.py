@@ -237,3 +237,35 @@ def test_mxfp4_one_factor_compiles_two_loops(compile_check, T, layout):
             assert words and all(words), (kname, words)
         m0, m1 = c0.ptx.count("mul.rn.bf16x2"), c1.ptx.count("mul.rn.bf16x2")
         assert m0 > 0 and 2 * m1 == 3 * m0, (kname, m0, m1)
+
+
+@pytest.mark.parametrize("fmt,layout,T", [("mxfp4", lay, T) for lay in ("plain", "mma")
+                                          for T in (1, 8, 2048)]
+                         + [("fp8", "plain", T) for T in (1, 2048)])
+def test_quant_wgmma_not_serialized(compile_check, fmt, layout, T):
+    """The quantized expert GEMMs (heuristic configs; gpt-oss-20b for MXFP4, DeepSeek-V3 for
+    FP8) assemble without ptxas serializing their wgmmas (warning C7515: "wgmma.mma_async
+    instructions are serialized"), which made every K step of the MXFP4 kernels wait for each
+    wgmma on Triton 3.6 and 3.7.1 until the K loops were told K > 0 (tl.assume)."""
+    from moe_ops.launch import quant
+
+    if fmt == "mxfp4":
+        shape, bk, gpt_oss = (2880, 2880, 32, 4), 32, True
+    else:
+        shape, bk, gpt_oss = (7168, 2048, 256, 8), 128, False
+    H, I, E, K = shape
+    cfg = quant.quant_dispatch_config(T, E, K, H, I, fmt, bk, "cuda", quant_a=fmt == "fp8")
+    launches = compile_check.quant_launches(fmt, shape, T, gpt_oss=gpt_oss, config=cfg,
+                                            mxfp4_layout=layout)
+    seen = 0
+    for launch in launches:
+        if not launch.name.startswith("quant_"):
+            continue
+        c = compile_check.compile_launch(launch)
+        log = compile_check.ptxas_log(c.ptx)
+        if log is None:
+            pytest.skip("Triton's ptxas cannot run here")
+        assert c.wgmma > 0, launch.name
+        assert "serialized" not in log, (launch.name, log[-600:])
+        seen += 1
+    assert seen == 2

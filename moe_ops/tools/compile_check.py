@@ -171,6 +171,28 @@ def compile_launch(launch: Launch) -> Compiled:
                     k.asm.get("ttgir", ""))
 
 
+def ptxas_log(ptx: str) -> str | None:
+    """What Triton's own ptxas prints (-v) assembling a kernel's PTX for sm_90a: registers,
+    spills and warnings such as C7515 (wgmma serialized). None where that ptxas cannot run."""
+    import subprocess
+    import tempfile
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        found = get_ptxas(90)
+        path = getattr(found, "path", found)
+        with tempfile.TemporaryDirectory() as d:
+            src = os.path.join(d, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            r = subprocess.run([path, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.o")],
+                               capture_output=True, text=True, timeout=300)
+    except Exception:  # noqa: BLE001 - no NVIDIA backend or ptxas here
+        return None
+    return r.stdout + r.stderr
+
+
 def _layouts(ttgir: str) -> dict:
     """The TTGIR's layout aliases: name -> its attribute text."""
     return dict(re.findall(r"^(#\w+) = (#ttg\.\w+<\{.*\}>)\s*$", ttgir, flags=re.M))

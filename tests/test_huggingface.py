@@ -192,6 +192,31 @@ def test_generate_matches(name):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_export_patched_model(name):
+    """torch.export of a whole patched model (what transformers' export tests do, non-strict):
+    moe.route / moe.dispatch stay ops in the exported graph, whose logits equal the eager
+    patched model's, at the traced batch and at another sequence length (dynamic)."""
+    from torch.export import Dim
+
+    model = apply_moe_ops(make_model(name)).eval()
+    ids = input_ids(batch=2, seq=7)
+    with torch.no_grad():
+        ref = model(ids, use_cache=False).logits
+    ep = torch.export.export(model, (ids,), {"use_cache": False}, strict=False,
+                             dynamic_shapes={"input_ids": {1: Dim("seq", min=2, max=64)},
+                                             "use_cache": None})
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert any("moe.dispatch" in t for t in targets), sorted(targets)[:20]
+    out = ep.module()(ids, use_cache=False).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    ids11 = input_ids(batch=2, seq=11, seed=4)
+    with torch.no_grad():
+        ref11 = model(ids11, use_cache=False).logits
+    torch.testing.assert_close(ep.module()(ids11, use_cache=False).logits, ref11, rtol=1e-5,
+                               atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
 def test_generate_static_cache(name):
     model = make_model(name)

@@ -966,6 +966,26 @@ def test_class_route_honours_set_experts_implementation():
         revert_moe_ops()
 
 
+def test_class_route_export_with_batched_mm_experts():
+    """transformers' export tests set the experts to "batched_mm" on models built after the class
+    route: the export keeps moe.route (the patched router) and no moe.dispatch, and matches."""
+    ids = input_ids()
+    try:
+        apply_moe_ops()
+        model = make_model("mixtral").eval()
+        model.set_experts_implementation("batched_mm")
+        with torch.no_grad():
+            ref = model(ids, use_cache=False).logits
+        ep = torch.export.export(model, (ids,), {"use_cache": False}, strict=False)
+        targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+        assert any("moe.route" in t for t in targets), sorted(targets)[:20]
+        assert not any("moe.dispatch" in t for t in targets)
+        torch.testing.assert_close(ep.module()(ids, use_cache=False).logits, ref, rtol=1e-5,
+                                   atol=1e-5)
+    finally:
+        revert_moe_ops()
+
+
 def test_class_route_honours_from_pretrained_choice(tmp_path):
     make_model("qwen3_moe").save_pretrained(tmp_path)
     ids = input_ids()

@@ -207,8 +207,8 @@ def test_mxfp4_one_factor_compiles_two_loops(compile_check, T, layout):
     keep wgmma (no mma.sync), whole-word operands with the mma layout and their asynchronous tile
     copies, and hold two K loops in the default build's shared memory, one multiplication per
     decoded pair in one and two in the other: 1.5 times the default build's packed
-    multiplications. With the mma layout and
-    128-row blocks (T = 2048) the launcher ignores the flag: the same build as the default."""
+    multiplications. With the mma layout and 128-row blocks (T = 2048) the launcher ignores the
+    flag: the same build as the default."""
     import dataclasses
 
     from moe_ops.launch import quant

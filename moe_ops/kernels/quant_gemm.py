@@ -745,33 +745,28 @@ def quant_gate_up_kernel(
             u_w, u_wm = mma_rows(w_e, I + n0, offs_q, I - n0, stride_wn)
     if STACK_GU:
         acc_u = acc_g   # (a placeholder: the stacked loop leaves it unchanged)
-    one = False   # (a constexpr: the else branch alone is compiled without ONE_FACTOR)
-    if ONE_FACTOR:   # one K loop per scale range, chosen once per program
+    k2 = H   # the two-factor loop's K length: all of H, or none after the one-factor loop
+    if ONE_FACTOR:   # the one-factor loop where every scale byte is <= 128, chosen once per
+        # program; the two loops run one after the other, so their buffers share shared memory
         one = scales_at_most_128(g_s, g_mask, H, stride_sk, 32)
         if not STACK_GU:
             one = one & scales_at_most_128(u_s, n_mask, H, stride_sk, 32)
-    if ONE_FACTOR:   # two K loops one after the other (their buffers share shared memory),
-        k1 = tl.where(one, H, 0)   # the steps of the one-factor loop: all or none
+        k1 = tl.where(one, H, 0)   # its steps: all or none
         acc_g, acc_u = gate_up_k_loop(
             acc_g, acc_u, a_ptrs, g_w, g_s, g_wm, g_mask, u_w, u_s, u_wm, n_mask, offs_k,
             row_valid, tok, tw, xs_ptr, stride_xs, k1, stride_xh, stride_wk, stride_sk, WFMT,
             QUANT_A, WEIGHTS_ON_INPUT, EMULATE, OP_DTYPE, DOT_PRECISION, BLOCK_K,
             A_PREQUANT, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K, PREFETCH_SCALES,
             STACK_GU, MMA_LAYOUT, True)
-        acc_g, acc_u = gate_up_k_loop(
-            acc_g, acc_u, a_ptrs, g_w, g_s, g_wm, g_mask, u_w, u_s, u_wm, n_mask, offs_k,
-            row_valid, tok, tw, xs_ptr, stride_xs, H - k1, stride_xh, stride_wk, stride_sk, WFMT,
-            QUANT_A, WEIGHTS_ON_INPUT, EMULATE, OP_DTYPE, DOT_PRECISION, BLOCK_K,
-            A_PREQUANT, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K, PREFETCH_SCALES,
-            STACK_GU, MMA_LAYOUT, False)
+        k2 = H - k1
     else:
         tl.assume(H > 0)   # (the launcher guarantees it; see gate_up_k_loop)
-        acc_g, acc_u = gate_up_k_loop(
-            acc_g, acc_u, a_ptrs, g_w, g_s, g_wm, g_mask, u_w, u_s, u_wm, n_mask, offs_k,
-            row_valid, tok, tw, xs_ptr, stride_xs, H, stride_xh, stride_wk, stride_sk, WFMT,
-            QUANT_A, WEIGHTS_ON_INPUT, EMULATE, OP_DTYPE, DOT_PRECISION, BLOCK_K,
-            A_PREQUANT, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K, PREFETCH_SCALES,
-            STACK_GU, MMA_LAYOUT, False)
+    acc_g, acc_u = gate_up_k_loop(
+        acc_g, acc_u, a_ptrs, g_w, g_s, g_wm, g_mask, u_w, u_s, u_wm, n_mask, offs_k,
+        row_valid, tok, tw, xs_ptr, stride_xs, k2, stride_xh, stride_wk, stride_sk, WFMT,
+        QUANT_A, WEIGHTS_ON_INPUT, EMULATE, OP_DTYPE, DOT_PRECISION, BLOCK_K,
+        A_PREQUANT, SCALAR_SCALE, BIT_DECODE, SWAP_AB, EVEN_K, PREFETCH_SCALES,
+        STACK_GU, MMA_LAYOUT, False)
     if USE_PDL:
         gdc_launch_dependents()
     if STACK_GU:
@@ -891,25 +886,21 @@ def quant_down_kernel(
     if MMA_LAYOUT:
         w_n, w_m = mma_rows(w_ptr + e * stride_we, pid_n * BLOCK_N, tl.arange(0, BLOCK_N // 4),
                             H - pid_n * BLOCK_N, stride_wn)
-    one = False   # (as in quant_gate_up_kernel)
-    if ONE_FACTOR:   # one K loop per scale range, chosen once per program
+    k2 = I   # (as in quant_gate_up_kernel)
+    if ONE_FACTOR:
         one = scales_at_most_128(s_n, n_mask, I, stride_sk, 32)
-    if ONE_FACTOR:   # two K loops one after the other (their buffers share shared memory),
-        k1 = tl.where(one, I, 0)   # the steps of the one-factor loop: all or none
+        k1 = tl.where(one, I, 0)
         acc = down_k_loop(acc, a_ptrs, w_n, s_n, w_m, n_mask, offs_k, rows, row_valid, tw,
             act_scale_ptr, stride_as, k1, stride_wk, stride_sk, WFMT, QUANT_A, EMULATE,
             OP_DTYPE, DOT_PRECISION, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,
             QUANT_GATHER, EVEN_K, PREFETCH_SCALES, MMA_LAYOUT, True)
-        acc = down_k_loop(acc, a_ptrs, w_n, s_n, w_m, n_mask, offs_k, rows, row_valid, tw,
-            act_scale_ptr, stride_as, I - k1, stride_wk, stride_sk, WFMT, QUANT_A, EMULATE,
-            OP_DTYPE, DOT_PRECISION, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,
-            QUANT_GATHER, EVEN_K, PREFETCH_SCALES, MMA_LAYOUT, False)
+        k2 = I - k1
     else:
         tl.assume(I > 0)   # (the launcher guarantees it; see gate_up_k_loop)
-        acc = down_k_loop(acc, a_ptrs, w_n, s_n, w_m, n_mask, offs_k, rows, row_valid, tw,
-            act_scale_ptr, stride_as, I, stride_wk, stride_sk, WFMT, QUANT_A, EMULATE,
-            OP_DTYPE, DOT_PRECISION, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,
-            QUANT_GATHER, EVEN_K, PREFETCH_SCALES, MMA_LAYOUT, False)
+    acc = down_k_loop(acc, a_ptrs, w_n, s_n, w_m, n_mask, offs_k, rows, row_valid, tw,
+        act_scale_ptr, stride_as, k2, stride_wk, stride_sk, WFMT, QUANT_A, EMULATE,
+        OP_DTYPE, DOT_PRECISION, BLOCK_K, SCALAR_SCALE, BIT_DECODE, SWAP_AB,
+        QUANT_GATHER, EVEN_K, PREFETCH_SCALES, MMA_LAYOUT, False)
     if USE_PDL:
         gdc_launch_dependents()
     if SWAP_AB:

@@ -44,7 +44,8 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
     # below 100 GiB the forward and backward groups' float64 references (up to ~60 GiB for
     # DeepSeek-V3) leave room for two workers, not four (H100, 4 workers: 30 tests out of memory)
     if [ -n "$n" ] && [ "$small" = 1 ] && [ "$name" != rest ] && [ "$n" -gt 2 ]; then n=2; fi
-    [ -n "$n" ] && workers=(-n "$n")
+    # loadgroup: the DeepSeek-V3 tests (tests/conftest.py marks them) share one worker
+    [ -n "$n" ] && workers=(-n "$n" --dist loadgroup)
     # -v: one line per test as it finishes, so that a group cut off by its timeout still names
     # its failures (pytest's summary, -rf, prints only at the end)
     timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rf -m "$mexpr" -p no:cacheprovider --durations=5 "${workers[@]}" "$@" "${extra[@]}" \

@@ -106,6 +106,13 @@ def reference_path(monkeypatch):
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        # DeepSeek-V3's float64/float32 references take up to ~60 GiB each: under pytest-xdist
+        # with --dist loadgroup (benchmarks/run_gpu.sh) they all go to one worker, so two never
+        # run at once (on an 80 GB H100, two side by side ran out of memory)
+        big = pytest.mark.xdist_group("deepseek_memory")
+        for item in items:
+            if "gpu" in item.keywords and "deepseek" in item.nodeid:
+                item.add_marker(big)
         return
     skip = pytest.mark.skip(reason="needs CUDA (GPU test: not run on this machine)")
     for item in items:

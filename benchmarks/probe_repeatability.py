@@ -18,51 +18,28 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import subprocess
 import sys
 
 import torch
+from sweep_quant import SHAPES, make_weights, parse_variant   # (benchmarks/, the script's folder)
 
 from moe_ops.launch.quant import dispatch_quantized, quant_dispatch_config
 from moe_ops.mxfp4_layout import swizzle_mxfp4
-from moe_ops.tools.quant_baselines import BLOCK_SHAPE, random_quantized
-
-SHAPES = {  # E, K, H, I, format, gpt-oss arithmetic
-    "deepseek_v3": (256, 8, 7168, 2048, "fp8", False),
-    "qwen3_30b_a3b": (128, 8, 2048, 768, "fp8", False),
-    "gpt_oss_20b": (32, 4, 2880, 2880, "mxfp4", True),
-    "gpt_oss_120b": (128, 4, 2880, 2880, "mxfp4", True),
-}
-NOISE = ("import time, torch\n"
-         "a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16)\n"
-         "print('ready', flush=True)\n"
-         "t = time.time()\n"
-         "while time.time() - t < 3600:\n"
-         "    a @ a\n")
-
-
-def parse_variant(text: str) -> dict:
-    out = {}
-    for part in filter(None, text.split(",")):
-        name, _, value = part.partition("=")
-        out[name.strip()] = int(value)
-    return out
+from moe_ops.tools._timing import start_gpu_noise
 
 
 def inputs(name, T, seed):
+    """sweep_quant's weights for the shape, random hidden and softmax top-K routing; gpt-oss
+    shapes with float32 biases of scale 0.1 (test_mxfp4_gpt_oss_accuracy's inputs)."""
     E, K, H, I, fmt, gpt_oss = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(seed)
-    w13, w2, s13, s2 = random_quantized(E, H, I, fmt, "cuda", g)
+    w13, w2, kw = make_weights(E, H, I, fmt, gpt_oss, g)
     hidden = torch.randn(T, H, device="cuda", generator=g).bfloat16()
     logits = torch.randn(T, E, device="cuda", generator=g)
     tw, ids = logits.softmax(-1).topk(K, dim=-1)
     tw = (tw / tw.sum(-1, keepdim=True)).float()
-    kw = {"w13_scale": s13, "w2_scale": s2}
-    if fmt == "fp8":
-        kw["block_shape"] = list(BLOCK_SHAPE)
     if gpt_oss:
-        kw.update(activation="swiglu_oai", gate_up_interleaved=True,
-                  w13_bias=torch.randn(E, 2 * I, device="cuda", generator=g) * 0.1,
+        kw.update(w13_bias=torch.randn(E, 2 * I, device="cuda", generator=g) * 0.1,
                   w2_bias=torch.randn(E, H, device="cuda", generator=g) * 0.1)
     return hidden, w13, w2, tw, ids.int(), kw, fmt
 
@@ -110,12 +87,7 @@ def main(argv=None) -> int:
         if name not in SHAPES or not ts:
             p.error(f"--cells {cell!r}: expected shape:T[,T...] with a shape among {list(SHAPES)}")
         cells += [(name, int(t)) for t in ts.split(",")]
-    noise = None
-    if args.noise:
-        noise = subprocess.Popen([sys.executable, "-c", NOISE], stdout=subprocess.PIPE, text=True)
-        if "ready" not in noise.stdout.readline():
-            noise.kill()
-            p.error("the noise process did not start")
+    noise = start_gpu_noise() if args.noise else None
     import triton
 
     results, any_diff = [], False

@@ -1,11 +1,10 @@
 """Shared inputs and helpers of the GPU tests (tests/test_*_gpu.py; skipped without CUDA)."""
-import subprocess
-import sys
 
 import torch
 
 from moe_ops.ops.samples import make_dispatch_inputs
 from moe_ops.reference import dispatch_reference
+from moe_ops.tools._timing import start_gpu_noise  # noqa: F401 (the GPU tests import it from here)
 from moe_ops.tuning.shapes import SHAPES  # name: (H, I, E, K)
 
 # float32 runs full-precision products; bf16/fp16 store the [rows, I] activation in the input
@@ -62,20 +61,3 @@ def deepseek_backward_experts() -> int:
     64 ran out of memory in float32 at T = 2048 and in the persistent weight-gradient test)."""
     total = torch.cuda.get_device_properties(0).total_memory
     return 64 if total >= 100 * 2**30 else 32
-
-
-def start_gpu_noise():
-    """A process running bf16 matmuls on the same GPU, returned once it is running (the
-    failure mode of Triton 3.6's warp-specialised kernels appeared only beside one)."""
-    code = ("import time, torch\n"
-            "a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16)\n"
-            "print('ready', flush=True)\n"
-            "t = time.time()\n"
-            "while time.time() - t < 3600:\n"
-            "    a @ a\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if "ready" not in line:
-        proc.kill()
-        raise RuntimeError(f"the GPU noise process did not start: {line!r}")
-    return proc

@@ -1,6 +1,9 @@
-"""CUDA-graph capture shared by the benchmark and the tuner."""
+"""CUDA-graph capture shared by the benchmark and the tuner; a GPU noise process for the
+repeatability probe and the GPU tests."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Callable
 
 import torch
@@ -19,3 +22,20 @@ def capture_graph(fn: Callable[[], torch.Tensor]):
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def start_gpu_noise():
+    """A process running bf16 matmuls on the same GPU, returned once it is running (the
+    failure mode of Triton 3.6's warp-specialised kernels appeared only beside one)."""
+    code = ("import time, torch\n"
+            "a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16)\n"
+            "print('ready', flush=True)\n"
+            "t = time.time()\n"
+            "while time.time() - t < 3600:\n"
+            "    a @ a\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if "ready" not in line:
+        proc.kill()
+        raise RuntimeError(f"the GPU noise process did not start: {line!r}")
+    return proc

@@ -18,14 +18,17 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import os
 import sys
 
 import torch
-from sweep_quant import SHAPES, make_weights, parse_variant   # (benchmarks/, the script's folder)
 
 from moe_ops.launch.quant import dispatch_quantized, quant_dispatch_config
 from moe_ops.mxfp4_layout import swizzle_mxfp4
 from moe_ops.tools._timing import start_gpu_noise
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sweep_quant, beside this file
+from sweep_quant import SHAPES, make_weights, parse_variant  # noqa: E402
 
 
 def inputs(name, T, seed):

@@ -10,6 +10,8 @@ path; every path has a fallback that runs on the oldest supported Triton (3.6).
 | Gluon Hopper TMA load (`async_copy_global_to_shared` / `async_load`) | 3.6 / 3.8 | not used yet |
 | Gluon TMA multicast in CTA clusters (`multicast=`) | 3.7 | not used yet |
 | warp specialisation (`tl.range(warp_specialize=True)`) | 3.4 | not used: on Triton 3.6 / H200 its kernels returned NaN and stale tiles beside another process using the GPU (docs/design.md) |
+| Gluon's explicit warp specialisation (`gl.warp_specialize`, partitions and mbarriers) | 3.6 | not used yet; measured correct on an H100 with 3.6 and 3.9, alone and beside a matmul process (`benchmarks/probe_gluon_ws.py`, docs/design.md) |
+| the MXFP4 plain layout's scales loaded a K step ahead (QuantDispatchConfig.prefetch_scales) | - | a compiler property, not an API: bitwise repeatable with 3.6, not with 3.9 (docs/design.md); off where not measured safe |
 """
 from __future__ import annotations
 
@@ -90,10 +92,38 @@ def inline_ptx(device) -> bool:
 
 
 def warp_specialization_safe() -> bool:
-    """False on every supported Triton: no warp-specialised kernel ships until one passes the
-    GPU suite alone and beside a process running matmuls on the same GPU. A minimal
-    warp-specialised GEMM was wrong on 3.6 and again on 3.9.0, even alone (docs/design.md)."""
+    """Triton's automatic warp specialisation (`tl.range(..., warp_specialize=True)`): False on
+    every supported Triton: no warp-specialised kernel ships until one passes the GPU suite
+    alone and beside a process running matmuls on the same GPU. A minimal warp-specialised GEMM
+    was wrong on 3.6 and again on 3.9.0, even alone (docs/design.md). Gluon's explicit form is
+    `gluon_warp_specialize`."""
     return False
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_warp_specialize() -> bool:
+    """Whether Gluon offers explicit warp specialisation (`gl.warp_specialize`: partitions with
+    their own warps and registers, synchronised by mbarriers). Unlike Triton's automatic form,
+    GEMMs written with it computed correctly and bitwise repeatably on an H100 with Triton 3.6
+    and 3.9, alone and beside a process running matmuls (`benchmarks/probe_gluon_ws.py`); no
+    moe_ops kernel uses it yet."""
+    try:
+        from triton.experimental.gluon import language as gl
+    except ImportError:
+        return False
+    return hasattr(gl, "warp_specialize")
+
+
+@functools.lru_cache(maxsize=None)
+def mxfp4_plain_scale_prefetch_safe() -> bool:
+    """Whether the MXFP4 GEMMs may load the plain layout's e8m0 scales a K step ahead
+    (QuantDispatchConfig.prefetch_scales). A property of the compiler, not of its API, so
+    decided by the versions measured on a GPU (H100, docs/design.md): with Triton 3.6 every
+    call's outputs were bitwise the same (gpt-oss-20b T = 1..2048, alone and beside a matmul
+    process); with Triton 3.9 the gate+up kernel's outputs at T = 128 (16-row blocks, 64-wide
+    K steps) differed from call to call in a few rows, and not with the prefetch off or with
+    the mma layout. 3.7.1 and 3.8 are not measured on a GPU: treated as 3.9."""
+    return triton_version() < (3, 7, 0)
 
 
 def summary() -> dict:
@@ -102,4 +132,6 @@ def summary() -> dict:
             "host_tensor_descriptors": host_tensor_descriptors(), "dot_scaled": dot_scaled(),
             "gluon_hopper_tma_load": gluon_hopper_tma_load(),
             "gluon_tma_multicast": gluon_tma_multicast(),
-            "warp_specialization_safe": warp_specialization_safe()}
+            "warp_specialization_safe": warp_specialization_safe(),
+            "gluon_warp_specialize": gluon_warp_specialize(),
+            "mxfp4_plain_scale_prefetch_safe": mxfp4_plain_scale_prefetch_safe()}

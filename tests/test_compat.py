@@ -113,6 +113,33 @@ def test_feature_probes_answer_on_this_triton():
         assert s["gluon_tma_multicast"], s
     if _features.triton_version() >= (3, 8, 0):
         assert s["gluon_hopper_tma_load"] == "async_load", s
+    assert s["gluon_warp_specialize"] is True   # Gluon has it from 3.6 (the oldest supported)
+    # the plain-layout MXFP4 scale prefetch: measured repeatable on 3.6 only
+    assert s["mxfp4_plain_scale_prefetch_safe"] is (_features.triton_version() < (3, 7, 0))
+
+
+@pytest.mark.parametrize("safe", [False, True])
+def test_mxfp4_plain_prefetch_follows_the_feature(monkeypatch, safe):
+    """The launcher loads the MXFP4 plain layout's scales a K step ahead only where
+    _features.mxfp4_plain_scale_prefetch_safe() says the compiled loop is repeatable; the mma
+    layout and FP8 keep the config's prefetch. Read from the kernels' launch arguments, as
+    compiled for sm_90 (nothing runs)."""
+    from moe_ops import _features
+    from moe_ops.tools.compile_check import quant_launches
+
+    monkeypatch.setattr(_features, "mxfp4_plain_scale_prefetch_safe", lambda: safe)
+
+    def prefetch(fmt, layout="plain"):
+        launches = quant_launches(fmt, (2880, 2880, 32, 4) if fmt == "mxfp4" else (1024, 384, 16, 4),
+                                  128, gpt_oss=fmt == "mxfp4", mxfp4_layout=layout)
+        got = {ln.name: ln.kwargs["PREFETCH_SCALES"] for ln in launches
+               if "PREFETCH_SCALES" in ln.kwargs}
+        assert set(got) == {"quant_gate_up_kernel", "quant_down_kernel"}, got
+        return set(got.values())
+
+    assert prefetch("mxfp4", "plain") == {safe}
+    assert prefetch("mxfp4", "mma") == {True}
+    assert prefetch("fp8") == {True}
 
 
 def test_c10d_functional_ops_exist():

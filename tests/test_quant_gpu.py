@@ -145,15 +145,16 @@ def test_deterministic_and_row_independent(quantize_activations):
 @pytest.mark.parametrize("layout", ["plain", "mma"])
 def test_mxfp4_deterministic_beside_another_gpu_process(layout):
     """MXFP4 outputs are bitwise the same call after call, by the launcher and by the op, on
-    memory poisoned with NaN, while another process runs matmuls on the GPU (Triton 3.9 on an
-    H100 once gave test_mxfp4_gpt_oss_accuracy[128] a launcher output and an op output that
-    differed in a few elements, with three other test processes on the GPU). gpt-oss-20b
-    experts with biases at T = 1, 128 and 2048 (the three tile families), six calls each."""
+    memory poisoned with NaN, while another process runs matmuls on the GPU. gpt-oss-20b
+    experts with biases at T = 1, 8, 32, 128 and 2048 (every MXFP4 tile family), six calls each.
+    With Triton 3.9 the plain layout's scales loaded a K step ahead made the T = 128 gate+up
+    outputs differ between calls (alone as well); the launcher now turns that prefetch off
+    where _features.mxfp4_plain_scale_prefetch_safe() is False (docs/design.md)."""
     from moe_ops.mxfp4_layout import swizzle_mxfp4
 
     noise = start_gpu_noise()
     try:
-        for T in (1, 128, 2048):
+        for T in (1, 8, 32, 128, 2048):
             hidden, b13, b2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 900 + T)
             E, K, H, I = SHAPES["gpt_oss_20b"]
             g = torch.Generator(device=DEV).manual_seed(950 + T)

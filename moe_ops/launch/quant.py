@@ -179,7 +179,7 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
                   GROUP_M=group_m, DIRECT=direct, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages, BIT_DECODE=bit_decode,
                   SWAP_AB=(wfmt == 2 and cfg.mxfp4_swap_ab) or (wfmt == 1 and cfg.fp8_swap_ab),
-                  PREFETCH_SCALES=wfmt in (1, 2) and cfg.prefetch_scales, **pdl)
+                  PREFETCH_SCALES=_prefetch_scales(cfg, wfmt, mma), **pdl)
     scalar13 = (fmt == "fp8" and cfg.scalar_weight_scale and not gate_up_interleaved
                 and bn % cfg.block_n1 == 0 and I % cfg.block_n1 == 0)
     scalar2 = fmt == "fp8" and cfg.scalar_weight_scale and bn % cfg.block_n2 == 0
@@ -229,6 +229,15 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         return out.copy_(out32)
     combine_triton(y, topk_ids, out, E, pdl=bool(pdl), key=key)
     return out
+
+
+def _prefetch_scales(cfg: QuantDispatchConfig, wfmt: int, mma: bool) -> bool:
+    """cfg.prefetch_scales where the kernels take it (FP8 and the MXFP4 bit decode), except for
+    MXFP4's plain layout on a Triton whose compiled K loop was not bitwise repeatable with it
+    (_features.mxfp4_plain_scale_prefetch_safe)."""
+    if wfmt == 2 and not mma and not _features.mxfp4_plain_scale_prefetch_safe():
+        return False
+    return wfmt in (1, 2) and cfg.prefetch_scales
 
 
 def _mxfp4_bit_decode(cfg: QuantDispatchConfig, op_dtype, emulate: bool, dev):

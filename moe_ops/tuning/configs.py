@@ -135,7 +135,9 @@ class QuantDispatchConfig:
     # each K step's weight scales (FP8 block scales, MXFP4 e8m0 bytes) and W8A8 activation
     # scales loaded one step ahead (quant_gemm.step_scales): Triton's pipeliner copies the
     # tiles asynchronously but leaves these loads (scalars, gathers, MXFP4's scale rows that
-    # are not 4-byte aligned) synchronous in the step that uses them
+    # are not 4-byte aligned) synchronous in the step that uses them. Not for MXFP4's plain
+    # layout where _features.mxfp4_plain_scale_prefetch_safe() is False (Triton >= 3.7: the
+    # launcher ignores the flag there; docs/design.md)
     prefetch_scales: bool = True
     # W8A8: hidden quantized once per token (quantize_groups_kernel) instead of in every gate+up
     # program's gather (not with weights_on_input, whose rows are scaled per slot first);

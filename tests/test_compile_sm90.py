@@ -269,3 +269,26 @@ def test_quant_wgmma_not_serialized(compile_check, fmt, layout, T):
         assert "serialized" not in log, (launch.name, log[-600:])
         seen += 1
     assert seen == 2
+
+
+@pytest.mark.parametrize("probe", ["probe_gluon_ws", "probe_gluon_fp8"])
+def test_gluon_warp_specialised_probes_compile(compile_check, probe, capsys):
+    """The Gluon warp-specialised GEMMs of benchmarks/ (TMA and register-decode producer
+    partitions feeding wgmma partitions; the FP8 block-scaled form) compile for sm_90 on the
+    installed Triton, so Gluon API drift between the supported Tritons shows up in CI rather
+    than on a GPU run. Each form must have its wgmma, TMA and register-reallocation
+    (setmaxnreg) instructions."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / f"{probe}.py"
+    spec = importlib.util.spec_from_file_location(probe, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.compile_only() == 0, capsys.readouterr().out
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "compiled" in ln]
+    assert len(lines) == 2, lines
+    for ln in lines:
+        for what in ("wgmma", "tma", "setmaxnreg"):
+            count = int(ln.split(f"{what} ")[1].split(",")[0])
+            assert count > 0, (what, ln)

@@ -199,15 +199,10 @@ def main() -> int:
     args = p.parse_args()
     if args.compile_only:
         return compile_only()
-    from moe_ops.tools._timing import start_gpu_noise
+    from moe_ops.tools._timing import gpu_noise
 
-    noise = start_gpu_noise() if args.noise else None
-    try:
+    with gpu_noise(args.noise):
         return run(args)
-    finally:
-        if noise is not None:
-            noise.terminate()
-            noise.wait()
 
 
 def run(args) -> int:

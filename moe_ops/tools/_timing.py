@@ -2,6 +2,7 @@
 repeatability probe and the GPU tests."""
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from typing import Callable
@@ -39,3 +40,15 @@ def start_gpu_noise():
         proc.kill()
         raise RuntimeError(f"the GPU noise process did not start: {line!r}")
     return proc
+
+
+@contextlib.contextmanager
+def gpu_noise(enabled: bool = True):
+    """A start_gpu_noise process for the block (none where not enabled), ended after it."""
+    proc = start_gpu_noise() if enabled else None
+    try:
+        yield proc
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()

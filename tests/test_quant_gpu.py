@@ -439,20 +439,26 @@ def test_mxfp4_swap_ab_matches(T):
         assert rel_err(out, ref) <= 1e-2, bm
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "mxfp4-mma"])
 @pytest.mark.parametrize("T", [1, 128, 2048])
 def test_prefetched_scales_are_bit_equal(fmt, T):
     """Scales loaded one K step ahead (QuantDispatchConfig.prefetch_scales, the default) give
-    the in-step loads' output bit for bit: MXFP4 at gpt-oss-20b's shape, FP8 W8A8 at
-    Qwen3-30B-A3B's."""
+    the in-step loads' output bit for bit: MXFP4 at gpt-oss-20b's shape (both layouts; the
+    plain layout runs without the prefetch where _features.mxfp4_plain_scale_prefetch_safe()
+    is False, so there both runs are the same kernels), FP8 W8A8 at Qwen3-30B-A3B's."""
     import dataclasses
 
     from moe_ops.launch.quant import quant_dispatch_config
+    from moe_ops.mxfp4_layout import swizzle_mxfp4
 
-    if fmt == "mxfp4":
+    if fmt.startswith("mxfp4"):
         E, K, H, I = SHAPES["gpt_oss_20b"]
         hidden, w13, w2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 600 + T)
-        base = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda")
+        mma = fmt == "mxfp4-mma"
+        if mma:
+            w13, w2 = swizzle_mxfp4(w13), swizzle_mxfp4(w2)
+            kw["mxfp4_layout"] = "mma"
+        base = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda", mma=mma)
         bound = 1e-2
     else:
         E, K, H, I = SHAPES["qwen3_30b_a3b"]

@@ -271,10 +271,11 @@ def test_quant_wgmma_not_serialized(compile_check, fmt, layout, T):
     assert seen == 2
 
 
-@pytest.mark.parametrize("probe", ["probe_gluon_ws", "probe_gluon_fp8"])
+@pytest.mark.parametrize("probe", ["probe_gluon_ws", "probe_gluon_fp8", "probe_gluon_mxfp4"])
 def test_gluon_warp_specialised_probes_compile(compile_check, probe, capsys):
     """The Gluon warp-specialised GEMMs of benchmarks/ (TMA and register-decode producer
-    partitions feeding wgmma partitions; the FP8 block-scaled form) compile for sm_90 on the
+    partitions feeding wgmma partitions; the FP8 block-scaled form; MXFP4 decode partitions)
+    compile for sm_90 on the
     installed Triton, so Gluon API drift between the supported Tritons shows up in CI rather
     than on a GPU run. Each form must have its wgmma, TMA and register-reallocation
     (setmaxnreg) instructions."""

@@ -20,7 +20,7 @@ ceiling of the run) and a bf16 matmul of the same size.
 Exit status 1 if any call is wrong or differs from the first."""
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 
 import torch
@@ -30,6 +30,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # beside this file
+from _gluon_probe import check_calls, compile_variants, parser, run_main  # noqa: E402
 
 BM, BN, BK = 128, 128, 128
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -143,9 +146,6 @@ def fp8_gemm(aq, a_scale_t, bq, b_scale, out, stages=4, group_m=8, consumer_regs
 
 
 def compile_only() -> int:
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     la = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
     lb = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.float8e4nv)
     sig = {"a_desc": f"tensordesc<fp8e4nv[{BM}, {BK}],{la}>",
@@ -153,23 +153,8 @@ def compile_only() -> int:
            "b_scale_ptr": "*fp32", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
            "stride_cm": "i32", "STAGES": "constexpr", "GROUP_M": "constexpr",
            "CONSUMER_REGS": "constexpr"}
-    rc = 0
-    for stages in (3, 4):
-        consts = {"STAGES": stages, "GROUP_M": 8, "CONSUMER_REGS": 232}
-        try:
-            k = triton.compile(GluonASTSource(fp8_block_gemm_ws, sig, constexprs=consts),
-                               target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
-        except Exception as e:  # noqa: BLE001 - report the innermost error
-            while (e.__cause__ or e.__context__) is not None:
-                e = e.__cause__ or e.__context__
-            print(f"stages {stages}: compile failed: {type(e).__name__}: {str(e)[-2000:]}")
-            rc = 1
-            continue
-        ptx = k.asm["ptx"]
-        print(f"stages {stages}: compiled, warps {k.metadata.num_warps}, shared {k.metadata.shared} B, "
-              f"wgmma {ptx.count('wgmma.mma_async')}, wait_group {ptx.count('wgmma.wait_group')}, "
-              f"tma {ptx.count('cp.async.bulk.tensor')}, setmaxnreg {ptx.count('setmaxnreg')}")
-    return rc
+    return compile_variants(fp8_block_gemm_ws, sig, [
+        (f"stages {st}", {"STAGES": st, "GROUP_M": 8, "CONSUMER_REGS": 232}) for st in (3, 4)])
 
 
 def quantize_blocks(x, rows_per_block):
@@ -185,20 +170,11 @@ def quantize_blocks(x, rows_per_block):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, calls=50)
     p.add_argument("--shape", nargs=3, type=int, default=[8192, 4096, 7168], metavar=("M", "N", "K"))
-    p.add_argument("--calls", type=int, default=50)
-    p.add_argument("--noise", action="store_true")
-    p.add_argument("--compile-only", action="store_true")
     p.add_argument("--variants", nargs="+", default=["4,8", "3,8"],
                    help="stages,group_m per variant")
-    args = p.parse_args()
-    if args.compile_only:
-        return compile_only()
-    from moe_ops.tools._timing import gpu_noise
-
-    with gpu_noise(args.noise):
-        return run(args)
+    return run_main(p.parse_args(), compile_only, run)
 
 
 def run(args) -> int:
@@ -227,18 +203,10 @@ def run(args) -> int:
           f"({flops / us_bf16 / 1e6:.0f} TFLOP/s)", flush=True)
     for v in args.variants:
         stages, group_m = (int(x) for x in v.split(","))
-        first, wrong, differ, err_max = None, 0, 0, 0.0
-        for _ in range(args.calls):
-            out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-            fp8_gemm(aq, sa_t, bq, sb, out, stages, group_m)
-            torch.cuda.synchronize()
-            err = float((out.double() - ref).norm() / ref.norm())
-            err_max = max(err_max, err) if err == err else float("inf")
-            wrong += not err <= 1e-2   # bf16 output rounding (~3e-3); stale tiles/NaN are O(1)
-            if first is None:
-                first = out
-            elif not torch.equal(out, first):
-                differ += 1
+        # bf16 output rounding (~2e-3); stale tiles and NaN are O(1)
+        wrong, differ, err_max = check_calls(
+            lambda out: fp8_gemm(aq, sa_t, bq, sb, out, stages, group_m), (M, N), torch.bfloat16,
+            ref, args.calls, 1e-2)
         out = torch.empty((M, N), device="cuda", dtype=torch.bfloat16)
         us = triton.testing.do_bench(lambda: fp8_gemm(aq, sa_t, bq, sb, out, stages, group_m)) * 1e3
         print(f"gluon ws stages={stages} group_m={group_m}: {args.calls} calls, wrong {wrong}, "

@@ -19,7 +19,7 @@ in an MoE kernel the gather of A's rows can write that order at no cost.
 Exit status 1 if any call is wrong or differs from the first."""
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 
 import torch
@@ -29,6 +29,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # beside this file
+from _gluon_probe import check_calls, compile_variants, parser, run_main  # noqa: E402
 
 BM, BN, BK = 128, 128, 64
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -206,9 +209,6 @@ def mxfp4_gemm(a_perm, codes, scales, out, stages=3, decoders=2, group_m=8, dec_
 
 
 def compile_only() -> int:
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     la = gl.NVMMASharedLayout.get_default_for([BM, BK // 2], gl.bfloat16)
     lc = gl.NVMMASharedLayout.get_default_for([BN, BK // 2], gl.uint8)
     sig = {"a_desc": f"tensordesc<bf16[{BM}, {BK // 2}],{la}>",
@@ -216,41 +216,18 @@ def compile_only() -> int:
            "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_sn": "i32",
            "stride_om": "i32", "STAGES": "constexpr", "DECODERS": "constexpr",
            "GROUP_M": "constexpr", "DEC_REGS": "constexpr"}
-    rc = 0
-    for decoders in (1, 2):
-        consts = {"STAGES": 3, "DECODERS": decoders, "GROUP_M": 8, "DEC_REGS": 112}
-        try:
-            k = triton.compile(GluonASTSource(mxfp4_gemm_ws, sig, constexprs=consts),
-                               target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
-        except Exception as e:  # noqa: BLE001 - report the innermost error
-            while (e.__cause__ or e.__context__) is not None:
-                e = e.__cause__ or e.__context__
-            print(f"decoders {decoders}: compile failed: {type(e).__name__}: {str(e)[-2000:]}")
-            rc = 1
-            continue
-        ptx = k.asm["ptx"]
-        print(f"decoders {decoders}: compiled, warps {k.metadata.num_warps}, shared "
-              f"{k.metadata.shared} B, wgmma {ptx.count('wgmma.mma_async')}, tma "
-              f"{ptx.count('cp.async.bulk.tensor')}, setmaxnreg {ptx.count('setmaxnreg')}")
-    return rc
+    return compile_variants(mxfp4_gemm_ws, sig, [
+        (f"decoders {d}", {"STAGES": 3, "DECODERS": d, "GROUP_M": 8, "DEC_REGS": 112})
+        for d in (1, 2)])
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, calls=20)
     p.add_argument("--shape", nargs=3, type=int, default=[8192, 5760, 2880], metavar=("M", "N", "K"),
                    help="default: gpt-oss-20b's gate+up GEMM for 8192 rows")
-    p.add_argument("--calls", type=int, default=20)
-    p.add_argument("--noise", action="store_true")
-    p.add_argument("--compile-only", action="store_true")
     p.add_argument("--variants", nargs="+", default=["3,2,112", "3,1,152", "4,2,96"],
                    help="stages,decoders,decoder registers per variant")
-    args = p.parse_args()
-    if args.compile_only:
-        return compile_only()
-    from moe_ops.tools._timing import gpu_noise
-
-    with gpu_noise(args.noise):
-        return run(args)
+    return run_main(p.parse_args(), compile_only, run)
 
 
 def run(args) -> int:
@@ -275,18 +252,9 @@ def run(args) -> int:
     worst = 0
     for v in args.variants:
         stages, decoders, regs = (int(x) for x in v.split(","))
-        first, wrong, differ, err_max = None, 0, 0, 0.0
-        for _ in range(args.calls):
-            out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-            mxfp4_gemm(a_perm, codes, scales, out, stages, decoders, 8, regs)
-            torch.cuda.synchronize()
-            err = float((out.double() - ref).norm() / ref.norm())
-            err_max = max(err_max, err) if err == err else float("inf")
-            wrong += not err <= 1e-2
-            if first is None:
-                first = out
-            elif not torch.equal(out, first):
-                differ += 1
+        wrong, differ, err_max = check_calls(
+            lambda out: mxfp4_gemm(a_perm, codes, scales, out, stages, decoders, 8, regs),
+            (M, N), torch.bfloat16, ref, args.calls, 1e-2)
         out = torch.empty((M, N), device="cuda", dtype=torch.bfloat16)
         us = triton.testing.do_bench(
             lambda: mxfp4_gemm(a_perm, codes, scales, out, stages, decoders, 8, regs)) * 1e3

@@ -22,7 +22,7 @@ condition, and a timing against torch.matmul on the same bf16 operands.
 Exit status 1 if any call is wrong or differs from the first."""
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 
 import torch
@@ -32,6 +32,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # beside this file
+from _gluon_probe import check_calls, compile_variants, parser, run_main  # noqa: E402
 
 BM, BN, BK, STAGES = 128, 128, 64, 4
 # Gluon's Hopper TMA load: async_copy_global_to_shared on Triton 3.6, async_load from 3.8
@@ -159,50 +162,23 @@ def ws_gemm(a, b_bf16, codes, scale, out, form):
 
 def compile_only() -> int:
     """Compile both forms for sm_90 (no GPU needed): PTX instruction counts per form."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    rc = 0
-    for form in ("tma", "regs"):
-        desc = "tensordesc<bf16[%d, %d],%s>"
-        la = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
-        lb = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
-        sig = {"a_desc": desc % (BM, BK, la), "b_desc": desc % (BN, BK, lb),
-               "code_ptr": "*i8", "scale_ptr": "*fp32", "c_ptr": "*fp32", "M": "i32",
-               "N": "i32", "K": "i32", "stride_cn": "i32", "stride_cm": "i32",
-               "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "STAGES": "constexpr",
-               "B_TMA": "constexpr"}
-        consts = {"BM": BM, "BN": BN, "BK": BK, "STAGES": STAGES, "B_TMA": form == "tma"}
-        try:
-            src = GluonASTSource(ws_gemm_kernel, sig, constexprs=consts)
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
-        except Exception as e:  # noqa: BLE001 - report and go on to the other form
-            while (e.__cause__ or e.__context__) is not None:   # the innermost error
-                e = e.__cause__ or e.__context__
-            print(f"{form}: compile failed: {type(e).__name__}: {str(e)[-2000:]}")
-            rc = 1
-            continue
-        ptx = k.asm["ptx"]
-        print(f"{form}: compiled, warps {k.metadata.num_warps}, shared {k.metadata.shared} B, "
-              f"wgmma {ptx.count('wgmma.mma_async')}, tma {ptx.count('cp.async.bulk.tensor')}, "
-              f"mbarrier {ptx.count('mbarrier.')}, setmaxnreg {ptx.count('setmaxnreg')}")
-    return rc
+    desc = "tensordesc<bf16[%d, %d],%s>"
+    la = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
+    lb = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
+    sig = {"a_desc": desc % (BM, BK, la), "b_desc": desc % (BN, BK, lb),
+           "code_ptr": "*i8", "scale_ptr": "*fp32", "c_ptr": "*fp32", "M": "i32",
+           "N": "i32", "K": "i32", "stride_cn": "i32", "stride_cm": "i32",
+           "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "STAGES": "constexpr",
+           "B_TMA": "constexpr"}
+    return compile_variants(ws_gemm_kernel, sig, [
+        (form, {"BM": BM, "BN": BN, "BK": BK, "STAGES": STAGES, "B_TMA": form == "tma"})
+        for form in ("tma", "regs")])
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--calls", type=int, default=200)
+    p = parser(__doc__, calls=200)
     p.add_argument("--size", type=int, default=4096)
-    p.add_argument("--noise", action="store_true",
-                   help="a second process runs bf16 matmuls on the GPU throughout")
-    p.add_argument("--compile-only", action="store_true")
-    args = p.parse_args()
-    if args.compile_only:
-        return compile_only()
-    from moe_ops.tools._timing import gpu_noise
-
-    with gpu_noise(args.noise):
-        return run(args)
+    return run_main(p.parse_args(), compile_only, run)
 
 
 def run(args) -> int:
@@ -213,23 +189,14 @@ def run(args) -> int:
     codes = torch.randint(-8, 8, (N, K), device="cuda", generator=g, dtype=torch.int8)
     scale = torch.rand(N, device="cuda", generator=g) * 0.25 + 0.01
     b = (codes.float() * scale[:, None]).bfloat16()   # the decoded weights, exactly
-    ref = (a.double() @ b.double().T).float()
+    ref = a.double() @ b.double().T
     worst = 0
     cond = "beside a matmul process" if args.noise else "alone"
     for form in ("tma", "regs"):
-        first, wrong, differ, err_max = None, 0, 0, 0.0
-        for c in range(args.calls):
-            out = torch.full((M, N), float("nan"), device="cuda")
-            ws_gemm(a, b, codes, scale, out, form)
-            torch.cuda.synchronize()
-            err = float((out.double() - ref.double()).norm() / ref.double().norm())
-            err_max = max(err_max, err) if err == err else float("inf")
-            if not err <= 1e-4:   # float32 sums over ~4k products; stale tiles and NaN are O(1)
-                wrong += 1
-            if first is None:
-                first = out
-            elif not torch.equal(out, first):
-                differ += 1
+        # float32 sums over ~4k products (~1e-6); stale tiles and NaN are O(1)
+        wrong, differ, err_max = check_calls(
+            lambda out: ws_gemm(a, b, codes, scale, out, form), (M, N), torch.float32, ref,
+            args.calls, 1e-4)
         out = torch.empty((M, N), device="cuda")
         us = triton.testing.do_bench(lambda: ws_gemm(a, b, codes, scale, out, form)) * 1e3
         us_ref = triton.testing.do_bench(lambda: a @ b.T) * 1e3

@@ -8,6 +8,20 @@ import argparse
 from typing import Callable
 
 import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+@gluon.jit
+def grouped_tile(M, N, BMM: gl.constexpr, BNN: gl.constexpr, GROUP_M: gl.constexpr):
+    """(off_m, off_n) of this program's output tile in grouped order: GROUP_M row tiles walk
+    the N tiles together, so their B tiles are reused from L2 (moe_ops' kernels' order)."""
+    pid = gl.program_id(0)
+    n_n = gl.cdiv(N, BNN)
+    per_group = GROUP_M * n_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = gl.minimum(gl.cdiv(M, BMM) - first_m, GROUP_M)
+    return (first_m + (pid % per_group) % size_m) * BMM, ((pid % per_group) // size_m) * BNN
 
 
 def innermost(e: BaseException) -> BaseException:

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # beside this file
-from _gluon_probe import check_calls, compile_variants, parser, run_main  # noqa: E402
+from _gluon_probe import check_calls, compile_variants, grouped_tile, parser, run_main  # noqa: E402
 
 BM, BN, BK = 128, 128, 128
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -117,17 +117,9 @@ def fp8_block_gemm_ws(a_desc, b_desc, a_scale_ptr, b_scale_ptr, c_ptr, M, N, K, 
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    # grouped order of the output tiles (L2 reuse of the B tiles)
-    pid = gl.program_id(0)
-    n_m = gl.cdiv(M, BMM)
-    n_n = gl.cdiv(N, BNN)
-    per_group = GROUP_M * n_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = gl.minimum(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    off_m, off_n = grouped_tile(M, N, BMM, BNN, GROUP_M)
     args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, M, N,
-            K, pid_m * BMM, pid_n * BNN, stride_cm)
+            K, off_m, off_n, stride_cm)
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 1],
                        [CONSUMER_REGS, 24])
 

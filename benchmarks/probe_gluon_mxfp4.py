@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # beside this file
-from _gluon_probe import check_calls, compile_variants, parser, run_main  # noqa: E402
+from _gluon_probe import check_calls, compile_variants, grouped_tile, parser, run_main  # noqa: E402
 
 BM, BN, BK = 128, 128, 64
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -168,14 +168,7 @@ def mxfp4_gemm_ws(a_desc, c_desc, scale_ptr, out_ptr, M, N, K, stride_sn, stride
         mbarrier.init(empty.index(i), count=2)      # the decoder (codes read) and the MMA
         mbarrier.init(dec_ready.index(i), count=1)
         mbarrier.init(dec_empty.index(i), count=1)
-    pid = gl.program_id(0)
-    n_m = gl.cdiv(M, BMM)
-    n_n = gl.cdiv(N, BNN)
-    per_group = GROUP_M * n_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = gl.minimum(n_m - first_m, GROUP_M)
-    off_m = (first_m + (pid % per_group) % size_m) * BMM
-    off_n = ((pid % per_group) // size_m) * BNN
+    off_m, off_n = grouped_tile(M, N, BMM, BNN, GROUP_M)
     args = (a_desc, c_desc, a_lo, a_hi, codes, b_lo, b_hi, ready, empty, dec_ready, dec_empty,
             scale_ptr, out_ptr, M, N, K, stride_sn, stride_om, off_m, off_n)
     mma_args = (a_lo, a_hi, b_lo, b_hi, ready, empty, dec_ready, dec_empty, out_ptr, M, N, K,

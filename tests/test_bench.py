@@ -120,6 +120,9 @@ def test_tiny_quantized_weights_run_and_write_the_weights_column(weights, shape,
             assert float(d["best_us"]) > 0 and float(d["rel_err"]) < 6e-2, d
             assert float(d["floor_fraction"]) == pytest.approx(
                 float(d["floor_us"]) / float(d["best_us"]), rel=1e-4)
+        elif d["status"] == "skip" and "budget" in d["note"]:
+            # checked, then one call over --max-call-ms (a loaded CPU): its error, no time
+            assert d["best_us"] == d["eager_us"] == "" and float(d["rel_err"]) < 6e-2, d
         else:
             assert d["best_us"] == d["eager_us"] == d["rel_err"] == "" and d["note"], d
         has_w8a8 = weights == "fp8" and d["impl"] == "moe_ops"

@@ -25,7 +25,7 @@ import torch
 
 from moe_ops.launch.quant import dispatch_quantized, quant_dispatch_config
 from moe_ops.mxfp4_layout import swizzle_mxfp4
-from moe_ops.tools._timing import start_gpu_noise
+from moe_ops.tools._timing import gpu_noise, poison_cuda_allocator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # sweep_quant, beside this file
 from sweep_quant import SHAPES, make_weights, parse_variant  # noqa: E402
@@ -52,7 +52,7 @@ def probe(hidden, w13, w2, tw, ids, kw, cfg, calls):
     first, rows = None, []
     for c in range(calls):
         if hidden.is_cuda:   # free cached memory poisoned: unwritten intermediates show up
-            torch.empty(1 << 28, dtype=torch.float32, device="cuda").fill_(float("nan"))
+            poison_cuda_allocator()
         if c % 2 and cfg is None:
             got = torch.ops.moe.dispatch(hidden, w13, w2, tw, ids, **kw)
         else:
@@ -90,11 +90,10 @@ def main(argv=None) -> int:
         if name not in SHAPES or not ts:
             p.error(f"--cells {cell!r}: expected shape:T[,T...] with a shape among {list(SHAPES)}")
         cells += [(name, int(t)) for t in ts.split(",")]
-    noise = start_gpu_noise() if args.noise else None
     import triton
 
     results, any_diff = [], False
-    try:
+    with gpu_noise(args.noise):
         for name, T in cells:
             hidden, b13, b2, tw, ids, kw, fmt = inputs(name, T, 1000 + T)
             E, K, H, I = SHAPES[name][:4]
@@ -122,10 +121,6 @@ def main(argv=None) -> int:
                                 max_elements=worst[1], max_rows=worst[2], max_abs=worst[3])
                     results.append(line)
                     print(" ".join(f"{k}={x}" for k, x in line.items()), flush=True)
-    finally:
-        if noise is not None:
-            noise.kill()
-            noise.wait()
     print("\nshape T layout variant noise | calls differing / calls-1 | worst: elements rows max|diff|")
     for r in results:
         print(f"{r['shape']} {r['T']} {r['layout']} {r['variant']} {r['noise']} | "

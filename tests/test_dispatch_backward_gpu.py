@@ -9,8 +9,8 @@ import triton.language as tl  # noqa: F401
 
 from conftest import assert_same_selection, nan_summary, rel_err  # noqa: F401
 from gpu_utils import (BWD_RTOL, GPU_RTOL, SHAPES, _inputs, _oracle,  # noqa: F401
-                       _poison_allocator, deepseek_backward_experts, peak_beyond_allocated,
-                       start_gpu_noise)
+                       _poison_allocator, deepseek_backward_experts, gpu_noise,
+                       peak_beyond_allocated)
 from moe_ops.launch.dispatch import dispatch_triton  # noqa: F401
 from moe_ops.ops.samples import make_dispatch_inputs  # noqa: F401
 from moe_ops.reference import dispatch_reference, route_reference  # noqa: F401
@@ -179,8 +179,7 @@ def test_backward_default_kernels_exact_beside_another_gpu_process():
     args = make_dispatch_inputs(T, H, I, E, K, dtype=torch.bfloat16, device="cuda", generator=g,
                                 weight_std=0.02)
     go = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
-    noise = start_gpu_noise()
-    try:
+    with gpu_noise() as noise:
         first = None
         for _ in range(10):
             _poison_allocator()
@@ -193,9 +192,6 @@ def test_backward_default_kernels_exact_beside_another_gpu_process():
             else:
                 for a, b in zip(got, first):
                     assert torch.equal(a, b)
-    finally:
-        noise.kill()
-        noise.wait()
 
 
 def _backward_buffer_bytes(T, K, E, H, I):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import rel_err
-from gpu_utils import _poison_allocator, misaligned_copy, peak_beyond_allocated, start_gpu_noise
+from gpu_utils import _poison_allocator, gpu_noise, misaligned_copy, peak_beyond_allocated
 
 import moe_ops
 from moe_ops.launch.quant import dispatch_quantized
@@ -152,8 +152,7 @@ def test_mxfp4_deterministic_beside_another_gpu_process(layout):
     where _features.mxfp4_plain_scale_prefetch_safe() is False (docs/design.md)."""
     from moe_ops.mxfp4_layout import swizzle_mxfp4
 
-    noise = start_gpu_noise()
-    try:
+    with gpu_noise() as noise:
         for T in (1, 8, 32, 128, 2048):
             hidden, b13, b2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 900 + T)
             E, K, H, I = SHAPES["gpt_oss_20b"]
@@ -179,9 +178,6 @@ def test_mxfp4_deterministic_beside_another_gpu_process(layout):
                     bad = got != first
                     assert not bad.any(), (f"T={T} call {r}: {int(bad.sum())} elements in "
                                            f"{int(bad.any(1).sum())} rows differ from call 0")
-    finally:
-        noise.kill()
-        noise.wait()
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])

@@ -8,7 +8,7 @@ import triton.language as tl  # noqa: F401
 
 from conftest import assert_same_selection, nan_summary, rel_err  # noqa: F401
 from gpu_utils import (BWD_RTOL, GPU_RTOL, SHAPES, _inputs, _oracle,  # noqa: F401
-                       _poison_allocator, start_gpu_noise)
+                       _poison_allocator)
 from moe_ops.launch.dispatch import dispatch_triton  # noqa: F401
 from moe_ops.ops.samples import make_dispatch_inputs  # noqa: F401
 from moe_ops.reference import dispatch_reference, route_reference  # noqa: F401

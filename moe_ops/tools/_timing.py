@@ -1,5 +1,5 @@
-"""CUDA-graph capture shared by the benchmark and the tuner; a GPU noise process for the
-repeatability probe and the GPU tests."""
+"""CUDA-graph capture shared by the benchmark and the tuner; a GPU noise process and a poisoned
+allocator for the repeatability probe and the GPU tests."""
 from __future__ import annotations
 
 import contextlib
@@ -23,6 +23,12 @@ def capture_graph(fn: Callable[[], torch.Tensor]):
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def poison_cuda_allocator(nbytes: int = 1 << 30) -> None:
+    """Fill free cached CUDA memory with NaN so that intermediates the kernels never write show
+    up in the next call's outputs."""
+    torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
 
 
 def start_gpu_noise():

@@ -48,6 +48,10 @@ def dense_oracle(hidden, w13, w2, tw, ids, activation="silu", w13_bias=None, w2_
         a = 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g ** 3))) * u
     elif activation == "relu":
         a = torch.relu(g) * u
+    elif activation == "silu_clamp":   # transformers' DeepseekV4Experts._apply_gate
+        a = F.silu(g.clamp(min=None, max=limit)) * u.clamp(min=-limit, max=limit)
+    elif activation == "silu_clamp_out":   # transformers' Step3p7Experts._apply_gate
+        a = F.silu(g).clamp(max=limit) * u.clamp(min=-limit, max=limit)
     else:   # transformers' GptOssExperts._apply_gate
         g = g.clamp(min=None, max=limit)
         u = u.clamp(min=-limit, max=limit)
@@ -182,7 +186,8 @@ def test_errors(path, request):
         (dict(w2_bias=b2.to(torch.int32)), TypeError, "w2_bias must be float32"),
         (dict(w2_bias=b2.to("meta")), ValueError, "w2_bias is on meta"),
         (dict(activation="geglu"), ValueError,
-         "activation must be one of 'silu', 'gelu', 'gelu_tanh', 'relu', 'swiglu_oai'"),
+         "activation must be one of 'silu', 'gelu', 'gelu_tanh', 'relu', 'swiglu_oai', "
+         "'silu_clamp', 'silu_clamp_out'"),
         (dict(limit=-1.0), ValueError, "limit must be > 0"),
         (dict(alpha=float("nan")), ValueError, "alpha must be finite"),
         (dict(w13_scale=torch.ones(4, 1, 1)), TypeError,
@@ -439,7 +444,8 @@ def test_transposed_w13_takes_the_storage_descriptor(interpreter, monkeypatch, n
 @needs_interpreter
 @settings(max_examples=15, deadline=None)
 @given(T=st.integers(0, 40), H=st.integers(1, 24), I=st.integers(1, 16), E=st.integers(1, 8),
-       activation=st.sampled_from(["silu", "gelu", "gelu_tanh", "relu", "swiglu_oai"]),
+       activation=st.sampled_from(["silu", "gelu", "gelu_tanh", "relu", "swiglu_oai", "silu_clamp",
+                                   "silu_clamp_out"]),
        flags=st.lists(st.booleans(), min_size=6, max_size=6),
        routing=st.sampled_from(["uniform", "negative", "one_expert", "skewed"]),
        data=st.data())

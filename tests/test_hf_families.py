@@ -26,17 +26,11 @@ FAMILIES = hf_families.families()
 # not listed must work through both routes.
 REFUSED = {
     "doge": "DogeCDMoE",
-    "ergo": "ungated experts",
     "jetmoe": "JetMoeParallelExperts",
     "muse_spark": "post-expert norm",
-    "nemotron_h": "ungated experts",
     "nllb_moe": "NllbMoeSparseMLP",
     "switch_transformers": "SwitchTransformersSparseMLP",
     "vitpose_backbone": "VitPoseNaiveMoe",
-    "deepseek_v4": "custom gating",
-    "glm5_next": "custom gating",
-    "hy_v4": "custom gating",
-    "hy_v4_vl": "custom gating",
     "inkling2": "custom gating",
     "inkling2_loop": "custom gating",
 }
@@ -188,3 +182,108 @@ def test_dbrx_reads_its_weights_in_place():
     for p, r in zip(params, ref):
         assert p.grad is not None and p.grad.shape == p.shape
         assert rel_err(p.grad, r) < 1e-5
+
+
+UNGATED = [f for f in ("nemotron_h", "ergo") if f in FAMILIES]
+
+
+@pytest.mark.parametrize("fam", UNGATED)
+def test_ungated_relu2_experts(fam):
+    """Ungated ReLU-squared experts (has_gate=False) reach moe.dispatch as ReLU gating of the up
+    projection with itself: w13 and w3 are the same view of up_proj (no copy), the logits and
+    the gradients of up_proj and down_proj (the two uses of up_proj add up) match transformers'
+    eager experts; another activation is refused by name."""
+    from moe_ops.integrations.huggingface import experts_layout
+
+    model = hf_families.build(fam)
+    ex = next(m for m in _experts_modules(model) if not m.has_gate)
+    layout = experts_layout(ex)
+    assert layout.w3 is layout.w13 and layout.activation == "relu"
+    assert layout.w13.data_ptr() == ex.up_proj.data_ptr()
+    ids, kw = _inputs(model)
+    params = [m.up_proj for m in _experts_modules(model)] + [m.down_proj for m in _experts_modules(model)]
+    model.set_experts_implementation("eager")
+    ref_out = model(ids, **kw)[0]
+    ref_out.pow(2).mean().backward()
+    ref = [p.grad.clone() for p in params]
+    model.zero_grad()
+    apply_moe_ops(model)
+    with OpCounter() as c:
+        out = model(ids, **kw)[0]
+        out.pow(2).mean().backward()
+    assert c.counts.get("dispatch", 0) + c.counts.get("dispatch_train", 0) > 0, c.counts
+    assert rel_err(out, ref_out) < 1e-5
+    for p, r in zip(params, ref):
+        assert p.grad is not None and rel_err(p.grad, r) < 1e-5
+    revert_moe_ops(model)
+    ex.act_fn = torch.nn.GELU()
+    with pytest.raises(UnsupportedModelError, match="ReLU squared"):
+        experts_layout(ex)
+
+
+@pytest.mark.skipif("ergo" not in FAMILIES, reason="this transformers has no Ergo")
+def test_subclassed_experts_forward_is_kept():
+    """Ergo's ErgoExperts wraps the decorated forward (one row per route, then a per-expert
+    norm): apply_moe_ops(model) keeps that forward and gives the module a config that picks
+    "moe_ops"; the patched model deep-copies and pickles; revert_moe_ops puts the model's config
+    object back."""
+    import copy
+    import pickle
+
+    model = hf_families.build("ergo")
+    ex = next(m for m in model.modules() if type(m).__name__ == "ErgoExperts")
+    config = ex.config
+    apply_moe_ops(model)
+    assert "forward" not in ex.__dict__
+    assert ex.config._experts_implementation == "moe_ops"
+    assert ex.config.hidden_size == config.hidden_size
+    assert model.config._experts_implementation != "moe_ops" or config is model.config
+    ids, kw = _inputs(model)
+    clone = copy.deepcopy(model)
+    pickle.loads(pickle.dumps(clone))
+    with OpCounter() as c:
+        a = _out(model, ids, kw)
+        b = _out(clone, ids, kw)
+    assert c.counts.get("dispatch", 0) == 2 * len([m for m in _experts_modules(model)])
+    assert torch.equal(a, b)
+    revert_moe_ops(model)
+    assert ex.config is config
+
+
+CLAMPED = [f for f in ("deepseek_v4", "hy_v4", "glm5_next", "step3p7") if f in FAMILIES]
+
+
+@pytest.mark.parametrize("fam", CLAMPED)
+def test_clamped_silu_gates(fam):
+    """A SiLU gate clamped to the module's limit, before the SiLU (DeepSeek-V4, HY-V4, GLM-5
+    Next) or after it (Step-3.7): found by probing `_apply_gate` over a range past the limit
+    (here a limit of 14, beyond the probe's default reach of 12), then the experts' output and
+    input gradient on pre-activations that cross the limit match transformers' eager experts."""
+    from moe_ops.integrations.huggingface import experts_layout
+
+    model = hf_families.build(fam)
+    ex = next(m for m in _experts_modules(model) if hasattr(type(m), "_apply_gate"))
+    # (Step-3.7's tiny config sets no limit: `limit` None, plain SiLU gating)
+    name = "swiglu_limit" if hasattr(ex, "swiglu_limit") else "limit"
+    setattr(ex, name, 14.0)
+    layout = experts_layout(ex)
+    expected = "silu_clamp_out" if fam == "step3p7" else "silu_clamp"
+    assert (layout.activation, layout.limit) == (expected, 14.0)
+    g = torch.Generator().manual_seed(3)
+    T, K = 9, 2
+    E = layout.w13.shape[0]
+    x = torch.randn(T, layout.w13.shape[2], generator=g)
+    with torch.no_grad():   # scaled so that the largest pre-activation is 3x the limit
+        x *= 42.0 / torch.einsum("eih,th->tei", layout.w13.float(), x).abs().max()
+    x.requires_grad_(True)
+    top = torch.randn(T, E, generator=g).topk(K, -1).indices
+    w = torch.rand(T, K, generator=g)
+    model.set_experts_implementation("eager")
+    ref = ex(x, top, w)
+    (gref,) = torch.autograd.grad(ref.pow(2).sum(), x)
+    model.set_experts_implementation("moe_ops")
+    got = ex(x, top, w)
+    (ggot,) = torch.autograd.grad(got.pow(2).sum(), x)
+    h = torch.einsum("eih,th->tei", layout.w13.detach(), x.detach())
+    assert (h.abs() > 14).float().mean() > 0.05, "the limit does not bind on these inputs"
+    assert rel_err(got, ref) < 1e-5 and rel_err(ggot, gref) < 1e-5

@@ -276,7 +276,10 @@ def test_fp8_variants(interpreter):
     for more in (dict(activation="swiglu_oai", gate_up_interleaved=True,
                       w13_bias=torch.randn(E, 2 * I) * 0.1, w2_bias=torch.randn(E, H) * 0.1),
                  dict(activation="gelu", weights_on_input=True),
-                 dict(activation="gelu_tanh"), dict(activation="relu")):
+                 dict(activation="gelu_tanh"), dict(activation="relu"),
+                 # limits that bind on these inputs (|h| reaches ~1)
+                 dict(activation="silu_clamp", limit=0.2),
+                 dict(activation="silu_clamp_out", limit=0.1, gate_up_interleaved=True)):
         out = dispatch_quantized(*args, **kw, **more, out=_poisoned(args[0]))
         same_q, unquantized = _errors(out, args, kw, **more)
         assert same_q < 1e-4, (more, same_q)
@@ -379,13 +382,14 @@ def test_zero_width_experts():
 
 # ---------------------------------------------------------------- MXFP4 through the interpreter
 
-@pytest.mark.parametrize("variant", ["plain", "gpt_oss", "weights_on_input"])
+@pytest.mark.parametrize("variant", ["plain", "gpt_oss", "weights_on_input", "silu_clamp"])
 def test_mxfp4_w4a16(interpreter, variant):
     args, kw, biases = mxfp4_inputs(11, 64, 64, 4, 2, routing="negative")
     more = {"plain": {},
             "gpt_oss": dict(activation="swiglu_oai", gate_up_interleaved=True, alpha=1.702,
                             limit=7.0, **biases),
-            "weights_on_input": dict(weights_on_input=True, activation="gelu")}[variant]
+            "weights_on_input": dict(weights_on_input=True, activation="gelu"),
+            "silu_clamp": dict(activation="silu_clamp", limit=0.3, **biases)}[variant]
     out = dispatch_quantized(*args, **kw, **more, out=_poisoned(args[0]))
     ref = quantized_dispatch_reference(*args, **kw, **more)
     assert rel_err(out, ref) < 1e-5

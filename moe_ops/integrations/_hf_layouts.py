@@ -20,7 +20,8 @@ __all__ = ["UnsupportedModelError", "ExpertsLayout", "activation_name", "experts
 class UnsupportedModelError(ValueError):
     """The model, or one of its MoE modules, has no moe_ops path (unknown family, or an experts
     layout the op does not compute: ungated experts, a post-expert norm, an activation other than
-    SiLU/GELU/ReLU gating or gpt-oss's clamped SwiGLU, quantized weights...)."""
+    SiLU/GELU/ReLU gating, gpt-oss's clamped SwiGLU or a SiLU clamped before or after, quantized
+    weights...)."""
 
 
 # transformers.activations class names (ACT2FN values) and torch.nn modules, by the op's name.
@@ -78,7 +79,7 @@ class ExpertsLayout:
             kw["w13_bias"] = self.w13_bias
         if self.w2_bias is not None:
             kw["w2_bias"] = self.w2_bias
-        if self.activation == "swiglu_oai":
+        if self.activation in _CLAMPED:
             kw["alpha"] = float(self.alpha)
             kw["limit"] = float(self.limit)
         if self.gate_up_interleaved:
@@ -91,6 +92,8 @@ class ExpertsLayout:
 
 
 _OK_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+# the op's activations that read `limit` (and, swiglu_oai, `alpha`)
+_CLAMPED = ("swiglu_oai", "silu_clamp", "silu_clamp_out")
 
 # (experts class, act_fn class, scalar settings, 2I) -> (activation, interleaved, alpha, limit) or a
 # problem string:
@@ -114,6 +117,16 @@ def _swiglu_params(experts):
     return None
 
 
+def _limit_params(experts) -> list:
+    """The clamp limits a custom gate may read (DeepSeek-V4's `limit`, HY-V4's `swiglu_limit`)."""
+    out = []
+    for name in ("limit", "swiglu_limit"):
+        v = getattr(experts, name, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and float(v) not in out:
+            out.append(float(v))
+    return out
+
+
 def _gated_reference(gu: torch.Tensor, activation: str, interleaved: bool, alpha=1.702, limit=7.0):
     if interleaved:
         g, u = gu[..., ::2], gu[..., 1::2]
@@ -123,6 +136,10 @@ def _gated_reference(gu: torch.Tensor, activation: str, interleaved: bool, alpha
         g = g.clamp(max=limit)
         u = u.clamp(min=-limit, max=limit)
         return (u + 1) * g * torch.sigmoid(alpha * g)
+    if activation == "silu_clamp":
+        return F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
+    if activation == "silu_clamp_out":
+        return F.silu(g).clamp(max=limit) * u.clamp(-limit, limit)
     act = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
            "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[activation]
     return act(g) * u
@@ -130,11 +147,12 @@ def _gated_reference(gu: torch.Tensor, activation: str, interleaved: bool, alpha
 
 def _probe_custom_gate(experts, two_i: int):
     """(activation, interleaved, alpha, limit) that a class-level `_apply_gate` computes, found by
-    evaluating it on fixed values in [-12, 12] (beyond gpt-oss's clamp limit of 7) against each
-    candidate the op has; or a problem string. Done once per (class, act_fn class, alpha, limit):
+    evaluating it on fixed values in [-R, R], R = max(12, 2 * limit + 2) over the module's clamp
+    limits (so that every clamp binds), against each candidate the op has; or a problem string. Done once per (class, act_fn class, alpha, limit):
     the evaluation is a handful of float32 ops on the CPU, never traced."""
     act = getattr(experts, "act_fn", None)
     params = _swiglu_params(experts)
+    limits = _limit_params(experts)
     # Everything the gate may read besides the input: the class, the activation's class and the
     # instance's scalar settings (a clamp limit set on some layers only, e.g. Step3p7's).
     scalars = tuple(sorted((k, v) for k, v in vars(experts).items()
@@ -143,7 +161,8 @@ def _probe_custom_gate(experts, two_i: int):
     if key in _GATE_CACHE:
         return _GATE_CACHE[key]
     gen = torch.Generator().manual_seed(0)
-    gu = (torch.rand(6, two_i, generator=gen) * 24.0 - 12.0)
+    reach = max([12.0] + [2.0 * lim + 2.0 for lim in limits + ([params[1]] if params else [])])
+    gu = (torch.rand(6, two_i, generator=gen) * 2.0 - 1.0) * reach
     try:
         with torch.no_grad():
             got = type(experts)._apply_gate(_ProbeSelf(experts), gu)
@@ -156,15 +175,22 @@ def _probe_custom_gate(experts, two_i: int):
         candidates += [("swiglu_oai", il, *params) for il in (True, False)]
     for name in ("silu", "gelu", "gelu_tanh", "relu"):
         candidates += [(name, il, 1.702, 7.0) for il in (False, True)]
-    result = None
+    for lim in limits:
+        candidates += [(name, il, 1.702, lim) for name in ("silu_clamp", "silu_clamp_out")
+                       for il in (False, True)]
+    # the closest candidate within float32 rounding (silu_clamp and silu_clamp_out differ by
+    # L * sigmoid(-L) at the limit L: a few ulps for a large one)
+    result, best = None, None
     for activation, interleaved, alpha, limit in candidates:
         ref = _gated_reference(gu, activation, interleaved, alpha, limit)
         if got.shape == ref.shape and torch.allclose(got.float(), ref, rtol=1e-5, atol=1e-6):
-            result = (activation, interleaved, alpha, limit)
-            break
+            err = float((got.float() - ref).abs().max())
+            if best is None or err < best:
+                result, best = (activation, interleaved, alpha, limit), err
     if result is None:
         result = (f"custom gating {type(experts).__name__}._apply_gate (not one of SiLU/GELU/ReLU "
-                  "gating or gpt-oss's clamped SwiGLU; e.g. a clamp around a plain SiLU)")
+                  "gating, gpt-oss's clamped SwiGLU or a SwiGLU clamped to the module's limit "
+                  "before or after the SiLU)")
     _GATE_CACHE[key] = result
     return result
 
@@ -196,6 +222,9 @@ def experts_layout(experts: torch.nn.Module, where: str | None = None) -> Expert
         return _llama4_layout(experts, where)
     if type(experts).__name__ == "DbrxExperts":
         return _dbrx_layout(experts, where)
+    if not getattr(experts, "has_gate", True) and isinstance(getattr(experts, "up_proj", None),
+                                                              torch.Tensor):
+        return _ungated_layout(experts, where)
     problems = []
     w13 = getattr(experts, "gate_up_proj", None)
     w2 = getattr(experts, "down_proj", None)
@@ -237,7 +266,7 @@ def experts_layout(experts: torch.nn.Module, where: str | None = None) -> Expert
                 problems.append("no act_fn")
             elif name is None:
                 problems.append(f"activation {_act_label(act)} (moe.dispatch gates with SiLU, GELU "
-                                "(erf or tanh), ReLU, or gpt-oss's clamped SwiGLU)")
+                                "(erf or tanh), ReLU, gpt-oss's clamped SwiGLU, or SiLU clamped to a limit)")
             else:
                 activation = name
         if not problems:
@@ -267,7 +296,7 @@ def _llama4_layout(experts, where):
     name = activation_name(act) if act is not None else None
     if name is None:
         _raise(experts, where, [f"activation {_act_label(act)} (moe.dispatch gates with SiLU, GELU "
-                                "(erf or tanh), ReLU, or gpt-oss's clamped SwiGLU)"])
+                                "(erf or tanh), ReLU, gpt-oss's clamped SwiGLU, or SiLU clamped to a limit)"])
     v13, v2 = experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
     _check_weights(experts, where, v13, v2, False, None, None)
     return ExpertsLayout(v13, v2, name, weights_on_input=True)
@@ -298,7 +327,7 @@ def _dbrx_layout(experts, where):
     activation = activation_name(act) if act is not None else None
     if activation is None:
         problems.append(f"activation {_act_label(act)} (moe.dispatch gates with SiLU, GELU "
-                        "(erf or tanh), ReLU, or gpt-oss's clamped SwiGLU)")
+                        "(erf or tanh), ReLU, gpt-oss's clamped SwiGLU, or SiLU clamped to a limit)")
     if problems:
         _raise(experts, where, problems)
     w13, w3 = w1.view(E, I, H), v1.view(E, I, H)
@@ -307,7 +336,36 @@ def _dbrx_layout(experts, where):
     return ExpertsLayout(w13, v2, activation, w3=w3)
 
 
-def _check_weights(experts, where, v13, v2, interleaved, b13, b2, w3=None):
+def _ungated_layout(experts, where):
+    """Ungated experts (NemotronH: `up_proj` [E, I, H], an activation, `down_proj` [E, H, I]; or
+    their transposes with is_transposed) whose activation is ReLU squared: relu(h)^2 = relu(h) * h
+    exactly (relu(h) is h or 0), so moe.dispatch computes them as ReLU gating with the up
+    projection as both gate (w13) and up (w3) rows, the same tensor, no copy. The first GEMM then
+    does twice the work of an ungated one; gradients of the two uses add up in up_proj."""
+    up, down = experts.up_proj, getattr(experts, "down_proj", None)
+    act = getattr(experts, "act_fn", None)
+    problems = []
+    if not isinstance(down, torch.Tensor):
+        problems.append("no down_proj tensor")
+    if act is None or type(act).__name__ != "ReLUSquaredActivation":
+        problems.append(f"ungated experts (has_gate=False) with activation "
+                        f"{_act_label(act) if act is not None else None} (moe.dispatch computes "
+                        "ungated experts with ReLU squared only, 'relu2')")
+    if getattr(experts, "has_bias", False):
+        problems.append("ungated experts with biases (has_bias=True)")
+    if getattr(experts, "has_post_expert_norm", False):
+        problems.append("a post-expert norm (has_post_expert_norm=True)")
+    if problems:
+        _raise(experts, where, problems)
+    transposed = bool(getattr(experts, "is_transposed", False))
+    v1 = up.transpose(1, 2) if transposed else up
+    v2 = down.transpose(1, 2) if transposed else down
+    _check_weights(experts, where, v1, v2, False, None, None, w3=v1,
+                   names=("up_proj", "up_proj", "down_proj"))
+    return ExpertsLayout(v1, v2, "relu", w3=v1)
+
+
+def _check_weights(experts, where, v13, v2, interleaved, b13, b2, w3=None, names=None):
     problems = []
     rows = 2 if w3 is None else 1   # (with w3, v13 holds the gate rows alone)
     if v13.dim() != 3 or v2.dim() != 3:
@@ -323,8 +381,10 @@ def _check_weights(experts, where, v13, v2, interleaved, b13, b2, w3=None):
             problems.append(f"gate_up_proj_bias {tuple(b13.shape)} (expected {(E, two_i)})")
         if b2 is not None and tuple(b2.shape) != (E, H):
             problems.append(f"down_proj_bias {tuple(b2.shape)} (expected {(E, H)})")
-    named = (("gate_up_proj", v13), ("down_proj", v2)) if w3 is None else (
-        ("w1", v13), ("v1", w3), ("w2", v2))
+    if w3 is None:
+        named = (("gate_up_proj", v13), ("down_proj", v2))
+    else:
+        named = tuple(zip(names or ("w1", "v1", "w2"), (v13, w3, v2)))
     for name, w in named:
         if w.dtype not in _OK_DTYPES:
             problems.append(f"{name} dtype {w.dtype} (quantized experts are not covered)")
@@ -342,4 +402,5 @@ def _raise(experts, where, problems):
         f"moe_ops: {type(experts).__name__}{at} has an experts layout that moe.dispatch does not "
         f"cover: {'; '.join(problems)}. moe.dispatch computes gated experts (gate_up_proj [E, 2I, H] "
         "or its transpose, gate/up concatenated or interleaved, optional biases) with SiLU, GELU, "
-        "ReLU or gpt-oss's clamped SwiGLU gating.")
+        "ReLU, gpt-oss's clamped SwiGLU or SiLU clamped to a limit, and ungated ReLU-squared "
+        "experts.")

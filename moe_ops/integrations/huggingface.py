@@ -186,6 +186,46 @@ def _is_decorated_experts(module) -> bool:
             and hasattr(type(module), "_apply_gate"))
 
 
+def _overrides_decorated_forward(module) -> bool:
+    """A subclass of a `@use_experts_implementation` class that defines its own forward around
+    the decorated one (Ergo's ErgoExperts: one row per route, `super().forward`, then a per-expert
+    norm). Replacing its forward would drop that code; apply_moe_ops(model) instead gives the
+    module a config view that picks "moe_ops" (_ExpertsConfigView)."""
+    try:
+        from transformers.integrations import moe as hf_moe
+    except ImportError:
+        return False
+    fn = getattr(type(module), "forward", None)
+    code = getattr(fn, "__code__", None)
+    deco = getattr(hf_moe, "use_experts_implementation", None)
+    if code is None or deco is None:
+        return False
+    return code.co_filename != deco.__code__.co_filename
+
+
+class _ExpertsConfigView:
+    """An experts module's config as apply_moe_ops(model) leaves it where the module's class
+    overrides the decorated forward: `_experts_implementation` reads "moe_ops" (the decorated
+    forward looks it up at every call), everything else, read or written, is the model's config."""
+
+    _experts_implementation = EXPERTS_IMPLEMENTATION
+
+    def __init__(self, config):
+        object.__setattr__(self, "_moe_ops_config", config)
+
+    def __getattr__(self, name):
+        if name == "_moe_ops_config":   # (before __init__: copy / pickle)
+            raise AttributeError(name)
+        return getattr(self._moe_ops_config, name)
+
+    def __setattr__(self, name, value):
+        if name != "_experts_implementation":
+            setattr(self._moe_ops_config, name, value)
+
+    def __reduce__(self):
+        return (_ExpertsConfigView, (self._moe_ops_config,))
+
+
 def _is_llama4_block(module) -> bool:
     cls = type(module)
     return cls.__name__ == _LLAMA4_BLOCK[1] and cls.__module__.startswith("transformers.models.llama4")
@@ -252,6 +292,9 @@ def _patch_instance(module, fn, attr):
     if _SAVED in module.__dict__:
         return  # already patched: patching twice is harmless
     module.__dict__[_SAVED] = (attr, module.__dict__.get(attr))
+    if attr == "config":   # (fn is None: _ExpertsConfigView)
+        module.__dict__["config"] = _ExpertsConfigView(module.__dict__["config"])
+        return
     # functools.partial of a module-level function, not a bound method: a bound method pickles
     # as getattr(module, fn.__name__), which the patched class does not have, so a patched model
     # saved with torch.save / pickle could not be loaded.
@@ -263,7 +306,11 @@ def _unpatch_instance(module):
     after `apply_moe_ops` moves it from `forward` to `_old_forward` (the hook stays and calls the
     restored forward); a hook removed after it moves it from `_old_forward` to `forward`."""
     d = module.__dict__
-    _, prev = d.pop(_SAVED)   # (the attribute patched then: the patch may have moved since)
+    attr, prev = d.pop(_SAVED)   # (the attribute patched then: the patch may have moved since)
+    if attr == "config":
+        if isinstance(d.get("config"), _ExpertsConfigView):
+            d["config"] = prev
+        return
     if prev is not None and _is_class_forward(prev, module):
         prev = None
     for name in ("forward", "_old_forward"):
@@ -321,7 +368,15 @@ def _plan(model):
                 plan.append((module, _forward_attr(module, where), quantized_fn))
             else:
                 num_experts = experts_layout(module, where).w13.shape[0]
-                plan.append((module, _forward_attr(module, where), _patched_experts_forward))
+                if _is_decorated_experts(module) and _overrides_decorated_forward(module):
+                    if "config" not in module.__dict__:
+                        raise UnsupportedModelError(
+                            f"moe_ops: {type(module).__name__} ({where}) overrides the experts' "
+                            "forward and has no config of its own to pick moe_ops with; use "
+                            "set_experts_implementation('moe_ops').")
+                    plan.append((module, "config", None))
+                else:
+                    plan.append((module, _forward_attr(module, where), _patched_experts_forward))
             parent = parents.get(id(module))
             if parent is None:
                 continue
@@ -605,6 +660,10 @@ def _check_expert_parallel(plan) -> None:
                 f"apply_moe_ops: expert_parallel_group with quantized experts "
                 f"({type(module).__name__}) is not covered; use "
                 "moe_ops.distributed.expert_parallel_dispatch with the FP8 tensors directly.")
+        if fn is None:
+            raise UnsupportedModelError(
+                f"apply_moe_ops: expert parallelism does not cover {type(module).__name__}, whose "
+                "forward wraps the experts' (e.g. one row per route and a per-expert norm).")
         if fn is not _patched_experts_forward:
             continue
         layout = experts_layout(module)

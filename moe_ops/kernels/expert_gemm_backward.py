@@ -345,6 +345,22 @@ def activate_grad(g, u, ACT: tl.constexpr, alpha, limit):
         a = f * u
         dadg = tl.where(g > 0.0, u, 0.0)
         dadu = f
+    elif ACT == 5:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        sig = 1.0 / (1.0 + tl.exp(-gc))
+        f = gc * sig
+        a = f * uc
+        dadg = tl.where(g <= limit, uc * sig * (1.0 + gc * (1.0 - sig)), 0.0)
+        dadu = tl.where((u >= -limit) & (u <= limit), f, 0.0)
+    elif ACT == 6:
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        f = g * sig
+        fc = tl.minimum(f, limit)
+        a = fc * uc
+        dadg = tl.where(f <= limit, uc * sig * (1.0 + g * (1.0 - sig)), 0.0)
+        dadu = tl.where((u >= -limit) & (u <= limit), fc, 0.0)
     else:
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)

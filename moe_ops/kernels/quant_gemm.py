@@ -42,6 +42,8 @@ GELU = tl.constexpr(1)
 GELU_TANH = tl.constexpr(2)
 RELU = tl.constexpr(3)
 SWIGLU_OAI = tl.constexpr(4)
+SILU_CLAMP = tl.constexpr(5)
+SILU_CLAMP_OUT = tl.constexpr(6)
 
 
 @triton.jit
@@ -61,6 +63,11 @@ def activate(g, u, alpha, limit, ACTIVATION: tl.constexpr):
         a = 0.5 * g * (2.0 * _sigmoid(2.0 * z)) * u      # 1 + tanh(z) = 2 sigmoid(2z)
     elif ACTIVATION == RELU:
         a = tl.maximum(g, 0.0) * u
+    elif ACTIVATION == SILU_CLAMP:   # DeepSeek-V4: the gate clamped before the SiLU
+        gc = tl.minimum(g, limit)
+        a = gc * _sigmoid(gc) * tl.minimum(tl.maximum(u, -limit), limit)
+    elif ACTIVATION == SILU_CLAMP_OUT:   # Step-3.7: the SiLU's output clamped
+        a = tl.minimum(g * _sigmoid(g), limit) * tl.minimum(tl.maximum(u, -limit), limit)
     else:   # SWIGLU_OAI (gpt-oss): clamped gate and up
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)

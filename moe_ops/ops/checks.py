@@ -6,7 +6,7 @@ import math
 import torch
 
 from moe_ops._runtime import checks_enabled
-from moe_ops.ops.quant_checks import (check_mxfp4_layout_value, check_quantized_dispatch,
+from moe_ops.ops.quant_checks import (ACTIVATIONS, check_mxfp4_layout_value, check_quantized_dispatch,
                                       reject_mma_layout)
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -76,7 +76,6 @@ def check_route(router_logits, top_k, scoring, renormalize, bias, num_groups, to
         check_same_device(router_logits=router_logits, bias=bias)
 
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_oai")
 QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 # Strides the kernels address as 32-bit element offsets within a tile step (larger ones would
 # need a copy of the weight, which the op never makes).
@@ -114,8 +113,9 @@ def check_variant_types(activation="silu", w13_bias=None, w2_bias=None, alpha=1.
         if isinstance(x, (int, float)) and not math.isfinite(x):
             raise ValueError(f"{name} must be finite, got {x}")
     if isinstance(limit, (int, float)) and limit <= 0:
-        raise ValueError(f"limit must be > 0 (swiglu_oai clamps the gate to <= limit and the up "
-                         f"projection to [-limit, limit]), got {limit}")
+        raise ValueError(f"limit must be > 0 (swiglu_oai, silu_clamp and silu_clamp_out clamp "
+                         f"the gate to <= limit and the up projection to [-limit, limit]), "
+                         f"got {limit}")
     for name, x in (("gate_up_interleaved", gate_up_interleaved),
                     ("weights_on_input", weights_on_input),
                     ("quantize_activations", quantize_activations)):

@@ -116,6 +116,10 @@ VARIANTS = [
     ("swiglu_oai", dict(transpose_w13=True), dict(activation="swiglu_oai", alpha=1.1,
                                                   limit=0.4)),
     ("weights_on_input", dict(w13_bias=True, w2_bias=True), dict(weights_on_input=True)),
+    # DeepSeek-V4's clamped SwiGLU (gate clamped before the SiLU) and Step-3.7's (after it),
+    # limits small enough to bind
+    ("silu_clamp", dict(w13_bias=True), dict(activation="silu_clamp", limit=0.4)),
+    ("silu_clamp_out", dict(transpose_w13=True), dict(activation="silu_clamp_out", limit=0.15)),
 ]
 
 

@@ -60,6 +60,10 @@ def activate(g, u, activation="silu", alpha=1.702, limit=7.0):
         gc = g.clamp(max=limit)
         uc = u.clamp(-limit, limit)
         return (uc + 1) * gc * torch.sigmoid(alpha * gc)
+    if activation == "silu_clamp":
+        return F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
+    if activation == "silu_clamp_out":
+        return F.silu(g).clamp(max=limit) * u.clamp(-limit, limit)
     raise ValueError(f"unknown activation {activation!r}")
 
 
@@ -74,6 +78,16 @@ def activate_backward(g, u, da, activation="silu", alpha=1.702, limit=7.0):
         dglu = sg + alpha * gc * sg * (1 - sg)
         return (da * (uc + 1) * dglu * (g <= limit),
                 da * glu * ((u >= -limit) & (u <= limit)))
+    if activation in ("silu_clamp", "silu_clamp_out"):
+        uc = u.clamp(-limit, limit)
+        gc = g.clamp(max=limit) if activation == "silu_clamp" else g
+        sg = torch.sigmoid(gc)
+        f, df = gc * sg, sg * (1 + gc * (1 - sg))
+        if activation == "silu_clamp":
+            pass_g = g <= limit
+        else:
+            pass_g, f = f <= limit, f.clamp(max=limit)
+        return da * uc * df * pass_g, da * f * ((u >= -limit) & (u <= limit))
     if activation == "silu":
         sg = torch.sigmoid(g)
         f, df = g * sg, sg * (1 + g * (1 - sg))

@@ -250,13 +250,14 @@ def test_subclassed_experts_forward_is_kept():
     assert ex.config is config
 
 
-CLAMPED = [f for f in ("deepseek_v4", "hy_v4", "glm5_next", "step3p7") if f in FAMILIES]
+CLAMPED = [f for f in ("deepseek_v4", "hy_v4", "glm5_next", "step3p7", "bailing_hybrid")
+           if f in FAMILIES]
 
 
 @pytest.mark.parametrize("fam", CLAMPED)
 def test_clamped_silu_gates(fam):
     """A SiLU gate clamped to the module's limit, before the SiLU (DeepSeek-V4, HY-V4, GLM-5
-    Next) or after it (Step-3.7): found by probing `_apply_gate` over a range past the limit
+    Next) or after it (Step-3.7, Bailing hybrid): found by probing `_apply_gate` over a range past the limit
     (here a limit of 14, beyond the probe's default reach of 12), then the experts' output and
     input gradient on pre-activations that cross the limit match transformers' eager experts."""
     from moe_ops.integrations.huggingface import experts_layout
@@ -267,7 +268,7 @@ def test_clamped_silu_gates(fam):
     name = "swiglu_limit" if hasattr(ex, "swiglu_limit") else "limit"
     setattr(ex, name, 14.0)
     layout = experts_layout(ex)
-    expected = "silu_clamp_out" if fam == "step3p7" else "silu_clamp"
+    expected = "silu_clamp_out" if fam in ("step3p7", "bailing_hybrid") else "silu_clamp"
     assert (layout.activation, layout.limit) == (expected, 14.0)
     g = torch.Generator().manual_seed(3)
     T, K = 9, 2

@@ -1063,9 +1063,10 @@ def test_class_route_ignores_transformers_own_switches():
         revert_moe_ops()
 
 
-def test_custom_gate_with_a_clamp_refused_per_setting():
+def test_custom_gate_identified_per_setting():
     """A custom gate is identified by evaluating it, per setting: Step3p7-style gating (SiLU, then
-    a clamp when `limit` is set) is SiLU without a limit and refused with one."""
+    a clamp when `limit` is set) is SiLU without a limit and silu_clamp_out with one; with a
+    softcap instead of the clamp it is refused."""
     from moe_ops.integrations._hf_layouts import experts_layout
 
     model = make_model("mixtral")
@@ -1084,7 +1085,16 @@ def test_custom_gate_with_a_clamp_refused_per_setting():
     experts.limit = None
     assert experts_layout(experts).activation == "silu"
     experts.limit = 7.0
-    with pytest.raises(UnsupportedModelError, match="custom gating ClampedExperts._apply_gate"):
+    layout = experts_layout(experts)
+    assert (layout.activation, layout.limit) == ("silu_clamp_out", 7.0)
+
+    class SoftcappedExperts(type(experts)):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act_fn(gate) * torch.tanh(up / self.limit) * self.limit
+
+    experts.__class__ = SoftcappedExperts
+    with pytest.raises(UnsupportedModelError, match="custom gating SoftcappedExperts._apply_gate"):
         experts_layout(experts)
 
 

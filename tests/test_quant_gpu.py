@@ -120,6 +120,35 @@ def test_mxfp4_gpt_oss_accuracy(T):
     print(f"gpt-oss-20b T={T}: MXFP4 W4A16 {err:.2e}")
 
 
+@pytest.mark.parametrize("activation", ["silu_clamp", "silu_clamp_out"])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_clamped_silu_activations(fmt, activation):
+    """DeepSeek-V4's and Step-3.7's clamped SwiGLU with quantized weights, T = 1 and 300: within
+    1e-2 of the reference (FP8: the same activation quantization), with a limit that changes the
+    output by more than that (the clamp binds)."""
+    for T in (1, 300):
+        g = torch.Generator(device=DEV).manual_seed(7 + T)
+        E, K, H, I = 16, 4, 1024, 384
+        if fmt == "fp8":
+            q13, q2, s13, s2 = fp8_weights(E, H, I, g, std=0.05)
+            kw = dict(w13_scale=s13, w2_scale=s2)
+        else:
+            q13, q2, s13, s2 = mxfp4_weights(E, H, I, g)
+            kw = dict(w13_scale=s13, w2_scale=s2, gate_up_interleaved=True)
+        hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+        tw, ids = _route(T, E, K, g)
+        args = (hidden, q13, q2, tw, ids)
+        ref = quantized_dispatch_reference(*args, **kw, activation=activation, limit=0.5)
+        plain = quantized_dispatch_reference(*args, **kw)
+        assert rel_err(plain, ref) > 5e-2, "the limit does not bind"
+        out = torch.full_like(hidden, float("nan"))
+        dispatch_quantized(*args, **kw, activation=activation, limit=0.5, out=out)
+        err = rel_err(out, ref)
+        assert err <= 1e-2, (T, err)
+        print(f"{fmt} {activation} T={T}: {err:.2e} (clamp changes the output by "
+              f"{rel_err(plain, ref):.2e})")
+
+
 def _small_fp8(T=64, E=16, K=4, H=1024, I=384, seed=0):
     g = torch.Generator(device=DEV).manual_seed(seed)
     q13, q2, s13, s2 = fp8_weights(E, H, I, g, std=0.05)

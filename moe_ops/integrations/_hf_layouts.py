@@ -207,9 +207,9 @@ class _ProbeSelf:
 
 
 def _gate_settings(experts):
-    """What the gate's arithmetic depends on besides the class: the activation module's class
+    """What the gate's arithmetic depends on: the module's class, the activation module's class
     and the module's scalar settings (train/eval mode excluded)."""
-    return (type(getattr(experts, "act_fn", None)),) + tuple(sorted(
+    return (type(experts), type(getattr(experts, "act_fn", None))) + tuple(sorted(
         (k, v) for k, v in vars(experts).items()
         if not k.startswith("_") and k != "training"
         and (v is None or isinstance(v, (bool, int, float, str)))))

@@ -14,7 +14,9 @@ Qwen3-MoE FP8 checkpoints: transformers' `FP8Experts`) and gpt-oss MXFP4 experts
   module with `attach_mxfp4` (views, no copy), and `mxfp4_experts_forward` runs them with
   gpt-oss's interleaved gate/up rows, biases and clamped SwiGLU.
 Both refuse (UnsupportedModelError) what moe.dispatch does not compute: static activation
-scales, per-tensor scales, FP4 `expert_dtype`, soft-capped gates, ungated experts."""
+scales, per-tensor scales, FP4 `expert_dtype`, soft-capped gates, ungated experts. A SiLU gate
+clamped to `limit` before or after the SiLU (DeepSeek-V4, Step-3.7) runs `silu_clamp` /
+`silu_clamp_out`."""
 from __future__ import annotations
 
 import torch
@@ -71,8 +73,6 @@ def fp8_dispatch_kwargs(experts) -> dict:
         problems.append("per-tensor scales (block_size=None)")
     if getattr(experts, "gate_softcap", None) is not None:
         problems.append("soft-capped gate")
-    if getattr(experts, "limit_after_act", False):
-        problems.append("limit after the activation")
     act = type(getattr(experts, "act_fn", None)).__name__
     swiglu_alpha = getattr(experts, "swiglu_alpha", None)
     limit = getattr(experts, "limit", None)
@@ -80,10 +80,11 @@ def fp8_dispatch_kwargs(experts) -> dict:
     if swiglu_alpha is not None:
         kw.update(activation="swiglu_oai", alpha=float(swiglu_alpha),
                   limit=float(limit if limit is not None else 7.0))
-    elif limit is not None:
-        problems.append("clamped SiLU gate (swiglu_limit without swiglu_alpha)")
     elif act not in ("SiLUActivation", "SiLU"):
         problems.append(f"activation {act} (SiLU-gated experts only)")
+    elif limit is not None:   # FP8Experts._apply_gate: the gate clamped before or after the SiLU
+        kw.update(activation="silu_clamp_out" if getattr(experts, "limit_after_act", False)
+                  else "silu_clamp", limit=float(limit))
     if problems:
         raise UnsupportedModelError(
             f"moe_ops: {type(experts).__name__} has quantized experts moe.dispatch does not "

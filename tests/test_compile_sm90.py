@@ -69,6 +69,24 @@ def test_heuristic_configs_compile(compile_check, name, T, monkeypatch):
         assert "combine_kernel" not in got   # folded or done by the down kernel's last program
 
 
+@pytest.mark.parametrize("variant", ["silu_clamp", "silu_clamp_out", "ungated"])
+@pytest.mark.parametrize("T", [1, 2048])
+def test_activation_variants_compile(compile_check, variant, T):
+    """The clamped SwiGLUs and the ungated ReLU-squared form (w3 = w13, one product per step)
+    compile for sm_90, forward and backward, at decode and prefill sizes."""
+    H, I, E, K = SHAPES["qwen3_30b_a3b"]
+    cfg = heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16)
+    kw = dict(ungated=True) if variant == "ungated" else dict(activation=variant)
+    launches = compile_check.forward_launches((H, I, E, K), 1 if cfg.direct_rows else 16, cfg,
+                                              torch.bfloat16, backward=T > 1,
+                                              rows_per_expert=T * K / E, **kw)
+    got = _compile_all(compile_check, launches)
+    assert "gate_up_kernel" in got
+    if variant == "ungated":
+        gu = [la for la in launches if la.name == "gate_up_kernel"]
+        assert gu and all(la.kwargs.get("SAME_W3") for la in gu), "no one-product path"
+
+
 def test_alignment_paths_compile(compile_check):
     """Every form of the alignment compiles for sm_90 with the switches the heuristics give
     them: the one-launch scan (T*K fits one tile), count + place (two launches) and count +

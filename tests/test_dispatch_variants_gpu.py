@@ -312,3 +312,31 @@ def test_w3_cuda_graph_capture_and_no_host_sync(T):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert gkw["w3"].grad is not None
+
+
+@pytest.mark.parametrize("T", [1, 300])
+def test_w3_same_as_w13_nemotron_shape(T):
+    """Ungated ReLU-squared experts as transformers' integration passes them (w13 = w3 = up, the
+    same view, "relu"), Nemotron-3-Nano's expert shape (E = 128, K = 6, H = 2688, I = 1856):
+    bf16 forward and every gradient against float64 (up's gradient: both uses added up)."""
+    g = torch.Generator(device=DEVICE).manual_seed(T)
+    E, K, H, I = 128, 6, 2688, 1856
+    up = (torch.randn(E, I, H, device=DEVICE, generator=g) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device=DEVICE, generator=g) * I ** -0.5).bfloat16()
+    h = torch.randn(T, H, device=DEVICE, generator=g).bfloat16()
+    w, ids = torch.randn(T, E, device=DEVICE, generator=g).softmax(-1).topk(K, -1)
+    leaves = [t.clone().requires_grad_(True) for t in (h, up, w2, w)]
+    out = moe_ops.dispatch(*leaves[:3], leaves[3], ids, activation="relu", w3=leaves[1])
+    go = torch.randn(out.shape, device=DEVICE, generator=g).bfloat16()
+    out.backward(go)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (h, up, w2, w)]
+    h64, up64, w264, w64 = ref_leaves
+    ref = torch.zeros(T, H, dtype=torch.float64, device=DEVICE)
+    for e in ids.unique().tolist():   # (per expert: a gather of [T, I, H] float64 is GBs)
+        t, k = (ids == e).nonzero(as_tuple=True)
+        a = torch.relu(h64[t] @ up64[e].t()) ** 2
+        ref = ref.index_add(0, t, w64[t, k, None] * (a @ w264[e].t()))
+    ref.backward(go.double())
+    assert rel_err(out, ref) <= BF16_FWD
+    for name, t, r in zip(["hidden", "up", "w2", "topk_weights"], leaves, ref_leaves):
+        assert rel_err(t.grad, r.grad) <= BF16_BWD, (name, rel_err(t.grad, r.grad))

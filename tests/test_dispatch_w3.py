@@ -364,3 +364,39 @@ def test_w3_with_quantized_weights_is_refused(reference_path):
         with pytest.raises(ValueError, match="w3.*not supported with quantized"):
             moe_ops.dispatch(h, q13, q2, tw, ids, w13_scale=s13, w2_scale=s2,
                              block_shape=[16, 16], w3=w3)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("path", ["reference_path", "interpreter"])
+def test_w3_same_as_w13_relu_squared(path, request, recompute):
+    """Ungated ReLU-squared experts (NemotronH) as moe.dispatch(w13=up, w3=up, "relu"): the
+    output is sum_k w * W2_e relu(up_e x)^2 (float64 oracle), the gate+up kernel takes its
+    one-product path (SAME_W3), and the two uses of `up` add up in its gradient."""
+    from moe_ops.launch.dispatch import Variant, same_view
+
+    request.getfixturevalue(path)
+    args, _ = _make(T=6, H=9, I=5, E=4, K=2, strided=True, seed=21)
+    h, up, w2, tw, ids = args
+    assert same_view(up, up) and not same_view(up, up.clone()) and not same_view(up, None)
+    kw = Variant(activation="relu", w3=up, same_w3=same_view(up, up)).gate_up_args(tw)
+    assert kw["SAME_W3"] is True and kw["HAS_W3"] is True
+    leaves = [t.detach().clone().requires_grad_(True) for t in (h, up, w2, tw)]
+    h_, up_, w2_, tw_ = leaves
+    old = moe_ops.set_recompute(recompute)
+    try:
+        out = moe_ops.dispatch(h_, up_, w2_, tw_, ids, activation="relu", w3=up_)
+        go = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+        out.backward(go)
+    finally:
+        moe_ops.set_recompute(old)
+    h64, up64, w264, tw64 = (t.detach().double().requires_grad_(True) for t in (h, up, w2, tw))
+    ref = torch.zeros(h.shape, dtype=torch.float64)
+    for t in range(h.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if 0 <= e < up.shape[0]:
+                ref[t] += tw64[t, k] * (w264[e] @ torch.relu(up64[e] @ h64[t]) ** 2)
+    ref.backward(go.double())
+    assert rel_err(out, ref) <= 1e-5
+    for got, want in zip(leaves, (h64, up64, w264, tw64)):
+        assert rel_err(got.grad, want.grad) <= 2e-5

@@ -45,7 +45,7 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
                  DOT_PRECISION: tl.constexpr, w_desc=None, USE_TMA: tl.constexpr = False,
                  TMA_PAIR: tl.constexpr = False, INTERLEAVED: tl.constexpr = False,
                  TMA_TRANS: tl.constexpr = False, w3_ptr=None, stride_w3e=0, stride_w3n=0,
-                 stride_w3k=0, HAS_W3: tl.constexpr = False):
+                 stride_w3k=0, HAS_W3: tl.constexpr = False, SAME_W3: tl.constexpr = False):
     """(gate, up) pre-activations [BLOCK_M, BLOCK_N] of the rows of tokens `tok` for expert `e`
     and columns pid_n*BLOCK_N.. of I, accumulated in float32 over H. Pointer path: one
     [BLOCK_K, 2*BLOCK_N] weight tile per step, gate columns n0..n0+BN then the matching up columns
@@ -64,7 +64,9 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
     one [BLOCK_K, 2*BLOCK_N] tile and one product per step, zero-filled past H and 2I.
     HAS_W3 (pointer loads only; the launcher takes no descriptor then): the gate rows n come
     from `w_ptr` (w13 [E, I, H]) and the up rows n from `w3_ptr` ([E, I, H]), each with its own
-    strides: two [BLOCK_K, BLOCK_N] tiles and two products per step."""
+    strides: two [BLOCK_K, BLOCK_N] tiles and two products per step. SAME_W3 (with HAS_W3: w3 is
+    w13, the same view; ungated ReLU-squared experts as relu(h) * h): one tile and one product
+    per step, and up = gate."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
     # One branch per path (compile-time): code after a `return` under a constexpr `if` is
@@ -111,12 +113,15 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
             b_mask = k_mask[:, None] & n_mask[None, :]
             g_w = tl.load(g_ptrs, mask=b_mask, other=0.0)
-            u_w = tl.load(u_ptrs, mask=b_mask, other=0.0)
             acc_g = tl.dot(a, g_w, acc_g, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(a, u_w, acc_u, input_precision=DOT_PRECISION)
+            if not SAME_W3:
+                u_w = tl.load(u_ptrs, mask=b_mask, other=0.0)
+                acc_u = tl.dot(a, u_w, acc_u, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_xh
             g_ptrs += BLOCK_K * stride_wk
             u_ptrs += BLOCK_K * stride_w3k
+        if SAME_W3:
+            acc_u = acc_g
     elif USE_TMA:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -253,11 +258,11 @@ def gate_up_kernel(
     stride_tw_k=0, HAS_BIAS: tl.constexpr = False, WEIGHTS_ON_INPUT: tl.constexpr = False,
     INTERLEAVED: tl.constexpr = False, ACT: tl.constexpr = 0, alpha=1.702, limit=7.0,
     TMA_TRANS: tl.constexpr = False, w3_ptr=None, stride_w3e=0, stride_w3n=0, stride_w3k=0,
-    HAS_W3: tl.constexpr = False,
+    HAS_W3: tl.constexpr = False, SAME_W3: tl.constexpr = False,
 ):
     """act[row] = activate(s * z + b13_e) with z = W13_e x (the variant arguments: HAS_BIAS,
     WEIGHTS_ON_INPUT, INTERLEAVED, ACT with alpha and limit; the defaults are SwiGLU on
-    gate-first rows; HAS_W3: the up rows from w3_ptr, gate_up_tile). SAVE_Z stores z itself
+    gate-first rows; HAS_W3: the up rows from w3_ptr, SAME_W3: w3 is w13, gate_up_tile). SAVE_Z stores z itself
     (raw, in w13's row order; with HAS_W3 [gate | up])."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, N, BLOCK_N, GROUP_M)
     if USE_PDL:
@@ -284,7 +289,7 @@ def gate_up_kernel(
                       DIRECT, USE_PDL, TMA_PAIR, BLOCK_M // 2, b_ptr, stride_be, stride_bn,
                       tw_ptr, stride_tw_t, stride_tw_k, HAS_BIAS, WEIGHTS_ON_INPUT, INTERLEAVED,
                       ACT, alpha, limit, TMA_TRANS, w3_ptr, stride_w3e, stride_w3n, stride_w3k,
-                      HAS_W3)
+                      HAS_W3, SAME_W3)
     else:
         gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                       n_slots, H, I, top_k, stride_xt, stride_xh, stride_we, stride_wn,
@@ -293,7 +298,7 @@ def gate_up_kernel(
                       DIRECT, USE_PDL, TMA_PAIR, BLOCK_M, b_ptr, stride_be, stride_bn,
                       tw_ptr, stride_tw_t, stride_tw_k, HAS_BIAS, WEIGHTS_ON_INPUT, INTERLEAVED,
                       ACT, alpha, limit, TMA_TRANS, w3_ptr, stride_w3e, stride_w3n, stride_w3k,
-                      HAS_W3)
+                      HAS_W3, SAME_W3)
 
 
 @triton.jit
@@ -307,7 +312,7 @@ def gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pi
                   stride_tw_k, HAS_BIAS: tl.constexpr, WEIGHTS_ON_INPUT: tl.constexpr,
                   INTERLEAVED: tl.constexpr, ACT: tl.constexpr, alpha, limit,
                   TMA_TRANS: tl.constexpr, w3_ptr, stride_w3e, stride_w3n, stride_w3k,
-                  HAS_W3: tl.constexpr):
+                  HAS_W3: tl.constexpr, SAME_W3: tl.constexpr = False):
     """gate_up_kernel's work on the first TILE_M rows of row block pid_m."""
     e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
                                           stride_ik, n_experts, BLOCK_M, DIRECT, TILE_M)
@@ -318,7 +323,7 @@ def gate_up_block(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pi
                                 stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
                                 TILE_M, BLOCK_N, BLOCK_K, DOT_PRECISION, w_desc, USE_TMA,
                                 TMA_PAIR, INTERLEAVED, TMA_TRANS, w3_ptr, stride_w3e,
-                                stride_w3n, stride_w3k, HAS_W3)
+                                stride_w3n, stride_w3k, HAS_W3, SAME_W3)
     if PDL_LATE:
         gdc_launch_dependents()
     rows64 = rows.to(tl.int64)

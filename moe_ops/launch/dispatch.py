@@ -25,7 +25,7 @@ def dispatch_triton(hidden, w13, w2, topk_weights, topk_ids, activation="silu", 
     consumes: the raw product W13_e x in w13's row order, before the bias and the input's
     routing weight. The variant arguments: docs/contract.md (Variant)."""
     var = Variant(activation, w13_bias, w2_bias, alpha, limit, gate_up_interleaved,
-                  weights_on_input, w3)
+                  weights_on_input, w3, same_view(w13, w3))
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
@@ -114,6 +114,7 @@ class Variant:
     interleaved: bool = False
     weights_on_input: bool = False
     w3: torch.Tensor | None = None   # the up projection apart from the gate (w13 [E, I, H])
+    same_w3: bool = False   # w3 is the same view as w13 (ungated ReLU-squared experts)
 
     @property
     def plain(self) -> bool:
@@ -126,7 +127,7 @@ class Variant:
         """What the launches' arguments depend on (fast launch keys)."""
         return (self.activation, float(self.alpha), float(self.limit), self.interleaved,
                 self.weights_on_input, optional_tensor_key(self.w13_bias),
-                optional_tensor_key(self.w2_bias), optional_tensor_key(self.w3))
+                optional_tensor_key(self.w2_bias), optional_tensor_key(self.w3), self.same_w3)
 
     def gate_up_args(self, topk_weights) -> dict:
         """gate_up_kernel's variant arguments (none for the default SwiGLU on gate-first rows:
@@ -145,7 +146,16 @@ class Variant:
                       stride_tw_k=topk_weights.stride(1), WEIGHTS_ON_INPUT=True)
         if self.w3 is not None:
             kw.update(w3_args(self.w3))
+            if self.same_w3:
+                kw.update(SAME_W3=True)
         return kw
+
+
+def same_view(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """b reads exactly the elements of a, in the same order (w3 passed as w13: one tile and one
+    product per step in the gate+up GEMM)."""
+    return (b is not None and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
+            and a.shape == b.shape and a.stride() == b.stride())
 
 
 def w3_args(w3) -> dict:

@@ -20,7 +20,8 @@ from moe_ops.kernels.expert_gemm_backward import (act_grad_kernel, expert_colsum
                                                   weight_grad_persistent_kernel)
 from moe_ops.launch._common import dot_precision, kernel_for, num_programs, weight_desc
 from moe_ops.launch.alignment import align_triton
-from moe_ops.launch.dispatch import Variant, combine_triton, gate_up_triton, rows_gemm_triton
+from moe_ops.launch.dispatch import (Variant, combine_triton, gate_up_triton, rows_gemm_triton,
+                                     same_view)
 from moe_ops.launch.fast import launch_key, tensor_key
 from moe_ops.reference.dispatch import empty_grad
 from moe_ops.tuning.configs import WeightGradConfig
@@ -53,7 +54,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     the gate w13 [E, I, H]) is given. Weight gradients have the weights' strides where
     those are a permutation of dense storage (a transposed checkpoint view), else contiguous."""
     var = Variant(activation, w13_bias, w2_bias, alpha, limit, gate_up_interleaved,
-                  weights_on_input, w3)
+                  weights_on_input, w3, same_view(w13, w3))
     T, H = hidden.shape
     E, I = w2.shape[0], w2.shape[2]
     K = topk_ids.shape[1]
@@ -98,7 +99,7 @@ def dispatch_backward_triton(grad_out, hidden, w13, w2, topk_weights, topk_ids, 
     if z is None:   # recompute: the forward's gate+up GEMM; z lives only during this call
         z = torch.empty(n_slots, 2 * I, dtype=dt, device=dev)
         gate_up_triton(hidden, w13, sa, al, cfg, n_slots, K, z=z, key=key and (key, "z"),
-                       variant=None if w3 is None else Variant(w3=w3))
+                       variant=None if w3 is None else Variant(w3=w3, same_w3=var.same_w3))
     dA = torch.empty(n_slots, I, dtype=torch.float32, device=dev)
     rows_gemm_triton(gos, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), dA, al,
                      bc.activation_grad_gemm, n_cols=I, reduce_dim=H, n_slots=n_slots, top_k=K,

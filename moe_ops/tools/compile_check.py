@@ -239,11 +239,14 @@ def word_operands(ttgir: str, marker: str = "0x81C081C0") -> list[bool]:
     return out
 
 
-def forward_launches(shape, T, cfg, dtype, backward=False, rows_per_expert=None) -> list[Launch]:
+def forward_launches(shape, T, cfg, dtype, backward=False, rows_per_expert=None,
+                     activation="silu", ungated=False) -> list[Launch]:
     """The launches of one moe.dispatch forward (and its backward, saved-z mode) with `cfg`, for
     shape (H, I, E, K) scaled down to small H and I (the kernels' constants depend on the
     config and on K, E and the divisibility of the sizes, not on the sizes themselves).
-    rows_per_expert: what the backward's config is chosen for (default: this call's T*K/E)."""
+    rows_per_expert: what the backward's config is chosen for (default: this call's T*K/E).
+    ungated: ReLU-squared experts as transformers' integration passes them (w13 = w3 = up
+    [E, I, H], activation "relu")."""
     from moe_ops.launch.dispatch import dispatch_triton
     from moe_ops.launch.dispatch_backward import dispatch_backward_triton
     from moe_ops.tuning.heuristics import backward_config
@@ -257,13 +260,17 @@ def forward_launches(shape, T, cfg, dtype, backward=False, rows_per_expert=None)
     w2 = torch.randn(E, H, I, dtype=dtype, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
     w = torch.rand(T, K, generator=g)
+    kw = dict(activation=activation)
+    if ungated:
+        w13 = w13[:, :I]
+        kw.update(activation="relu", w3=w13)
     with capture() as launches:
-        _, z = dispatch_triton(hidden, w13, w2, w, ids, config=cfg, save_z=True)
+        _, z = dispatch_triton(hidden, w13, w2, w, ids, config=cfg, save_z=True, **kw)
         if backward:
             rpe = T * K / E if rows_per_expert is None else rows_per_expert
             bc = backward_config(cfg, "cuda", dtype, rows_per_expert=rpe, inter_size=full_I)
             dispatch_backward_triton(torch.randn(T, H, dtype=dtype, generator=g), hidden, w13,
-                                     w2, w, ids, z=z, config=cfg, bwd_config=bc)
+                                     w2, w, ids, z=z, config=cfg, bwd_config=bc, **kw)
     return launches
 
 

@@ -207,9 +207,9 @@ def test_half_tail_decides_on_the_middle_row(interpreter, monkeypatch):
                               half_height_tails=True, direct_rows=False)
     bc = backward_config(cfg, "cpu", torch.float32)
     heights = {"gate_up_block": set(), "down_block": set()}
-    # (TILE_M's position: before the variant and w3 arguments, 18 in gate_up_block, 13 in
+    # (TILE_M's position: before the variant and w3 arguments, 19 in gate_up_block, 13 in
     # down_block)
-    for name, pid_arg, tile_arg in (("gate_up_block", 5, -19), ("down_block", 6, -14)):
+    for name, pid_arg, tile_arg in (("gate_up_block", 5, -20), ("down_block", 6, -14)):
         def block(*a, _run=getattr(kg, name), _seen=heights[name], _pid=pid_arg, _tile=tile_arg):
             pid_m = a[_pid]
             _seen.add((_interpreted_int(pid_m), int(a[_tile])))

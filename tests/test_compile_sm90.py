@@ -69,10 +69,10 @@ def test_heuristic_configs_compile(compile_check, name, T, monkeypatch):
         assert "combine_kernel" not in got   # folded or done by the down kernel's last program
 
 
-@pytest.mark.parametrize("variant", ["silu_clamp", "silu_clamp_out", "ungated"])
+@pytest.mark.parametrize("variant", ["silu_clamp", "silu_clamp_out", "swiglu_softcap", "ungated"])
 @pytest.mark.parametrize("T", [1, 2048])
 def test_activation_variants_compile(compile_check, variant, T):
-    """The clamped SwiGLUs and the ungated ReLU-squared form (w3 = w13, one product per step)
+    """The clamped and softcapped SwiGLUs and the ungated ReLU-squared form (w3 = w13, one product per step)
     compile for sm_90, forward and backward, at decode and prefill sizes."""
     H, I, E, K = SHAPES["qwen3_30b_a3b"]
     cfg = heuristic_config(T, E, K, H, I, "cuda", torch.bfloat16)

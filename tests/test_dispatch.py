@@ -291,7 +291,7 @@ def test_error_non_tensor_through_python_api():
 def test_error_activation():
     with pytest.raises(ValueError, match="activation must be one of 'silu', 'gelu', 'gelu_tanh', "
                                          "'relu', 'swiglu_oai', 'silu_clamp', "
-                                         "'silu_clamp_out', got 'swish'"):
+                                         "'silu_clamp_out', 'swiglu_softcap', got 'swish'"):
         torch.ops.moe.dispatch(*_good(), activation="swish")
     import moe_ops
 

@@ -52,6 +52,8 @@ def dense_oracle(hidden, w13, w2, tw, ids, activation="silu", w13_bias=None, w2_
         a = F.silu(g.clamp(min=None, max=limit)) * u.clamp(min=-limit, max=limit)
     elif activation == "silu_clamp_out":   # transformers' Step3p7Experts._apply_gate
         a = F.silu(g).clamp(max=limit) * u.clamp(min=-limit, max=limit)
+    elif activation == "swiglu_softcap":   # transformers' Inkling2SoftcappedSwiGLU
+        a = torch.tanh(g / alpha) * alpha * torch.sigmoid(g) * (torch.tanh(u / limit) * limit)
     else:   # transformers' GptOssExperts._apply_gate
         g = g.clamp(min=None, max=limit)
         u = u.clamp(min=-limit, max=limit)
@@ -187,7 +189,7 @@ def test_errors(path, request):
         (dict(w2_bias=b2.to("meta")), ValueError, "w2_bias is on meta"),
         (dict(activation="geglu"), ValueError,
          "activation must be one of 'silu', 'gelu', 'gelu_tanh', 'relu', 'swiglu_oai', "
-         "'silu_clamp', 'silu_clamp_out'"),
+         "'silu_clamp', 'silu_clamp_out', 'swiglu_softcap'"),
         (dict(limit=-1.0), ValueError, "limit must be > 0"),
         (dict(alpha=float("nan")), ValueError, "alpha must be finite"),
         (dict(w13_scale=torch.ones(4, 1, 1)), TypeError,
@@ -445,7 +447,7 @@ def test_transposed_w13_takes_the_storage_descriptor(interpreter, monkeypatch, n
 @settings(max_examples=15, deadline=None)
 @given(T=st.integers(0, 40), H=st.integers(1, 24), I=st.integers(1, 16), E=st.integers(1, 8),
        activation=st.sampled_from(["silu", "gelu", "gelu_tanh", "relu", "swiglu_oai", "silu_clamp",
-                                   "silu_clamp_out"]),
+                                   "silu_clamp_out", "swiglu_softcap"]),
        flags=st.lists(st.booleans(), min_size=6, max_size=6),
        routing=st.sampled_from(["uniform", "negative", "one_expert", "skewed"]),
        data=st.data())

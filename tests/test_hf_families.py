@@ -31,8 +31,6 @@ REFUSED = {
     "nllb_moe": "NllbMoeSparseMLP",
     "switch_transformers": "SwitchTransformersSparseMLP",
     "vitpose_backbone": "VitPoseNaiveMoe",
-    "inkling2": "custom gating",
-    "inkling2_loop": "custom gating",
 }
 
 
@@ -287,4 +285,37 @@ def test_clamped_silu_gates(fam):
     (ggot,) = torch.autograd.grad(got.pow(2).sum(), x)
     h = torch.einsum("eih,th->tei", layout.w13.detach(), x.detach())
     assert (h.abs() > 14).float().mean() > 0.05, "the limit does not bind on these inputs"
+    assert rel_err(got, ref) < 1e-5 and rel_err(ggot, gref) < 1e-5
+
+
+SOFTCAPPED = [f for f in ("inkling2", "inkling2_loop") if f in FAMILIES]
+
+
+@pytest.mark.parametrize("fam", SOFTCAPPED)
+def test_softcapped_swiglu_gate(fam):
+    """Inkling2's softcapped SwiGLU (cg tanh(g / cg) sigmoid(g) * cu tanh(u / cu)) is found with
+    the module's caps (here set to 0.5 and 0.3 so that both bend), and the experts' output and
+    input gradient match transformers' eager experts."""
+    from moe_ops.integrations.huggingface import experts_layout
+
+    model = hf_families.build(fam)
+    ex = next(m for m in _experts_modules(model) if hasattr(type(m), "_apply_gate"))
+    ex.act_fn.gate_softcap.softcap, ex.act_fn.up_softcap.softcap = 0.5, 0.3
+    layout = experts_layout(ex)
+    assert (layout.activation, layout.alpha, layout.limit) == ("swiglu_softcap", 0.5, 0.3)
+    g = torch.Generator().manual_seed(4)
+    T, K = 9, 2
+    E = layout.w13.shape[0]
+    x = torch.randn(T, layout.w13.shape[2], generator=g)
+    with torch.no_grad():   # the largest pre-activation ~3: both caps bend
+        x *= 3.0 / torch.einsum("eih,th->tei", layout.w13.float(), x).abs().max()
+    x.requires_grad_(True)
+    top = torch.randn(T, E, generator=g).topk(K, -1).indices
+    w = torch.rand(T, K, generator=g)
+    model.set_experts_implementation("eager")
+    ref = ex(x, top, w)
+    (gref,) = torch.autograd.grad(ref.pow(2).sum(), x)
+    model.set_experts_implementation("moe_ops")
+    got = ex(x, top, w)
+    (ggot,) = torch.autograd.grad(got.pow(2).sum(), x)
     assert rel_err(got, ref) < 1e-5 and rel_err(ggot, gref) < 1e-5

@@ -186,24 +186,31 @@ def test_apply_moe_ops_fp8_refuses_static_activation_scales():
     assert not is_patched(model)
 
 
-@pytest.mark.parametrize("after", [False, True])
-def test_fp8_clamped_silu_gate(after):
-    """FP8Experts with a SwiGLU limit (DeepSeek-V4) and limit_after_act (Step-3.7): the
-    dispatch arguments name silu_clamp / silu_clamp_out with the module's limit, and that
-    activation computes what FP8Experts._apply_gate computes, on values past the limit."""
+@pytest.mark.parametrize("gate", ["clamp", "clamp_after", "softcap"])
+def test_fp8_custom_gates(gate):
+    """FP8Experts with a SwiGLU limit (DeepSeek-V4), limit_after_act (Step-3.7) or softcaps
+    (Inkling2): the dispatch arguments name silu_clamp / silu_clamp_out / swiglu_softcap with
+    the module's parameters, and that activation computes what FP8Experts._apply_gate computes,
+    on values past the limit or the caps."""
     from moe_ops.reference.dispatch import activate
 
     model = fp8_model("qwen3_moe")
     m = next(m for m in model.modules() if hf_quant.is_fp8_experts(m))
-    m.limit, m.limit_after_act = 0.75, after
+    if gate == "softcap":
+        m.gate_softcap, m.up_softcap = 1.5, 0.75
+        expected = dict(activation="swiglu_softcap", alpha=1.5, limit=0.75)
+    else:
+        m.limit, m.limit_after_act = 0.75, gate == "clamp_after"
+        expected = dict(activation="silu_clamp_out" if gate == "clamp_after" else "silu_clamp",
+                        limit=0.75)
     kw = hf_quant.fp8_dispatch_kwargs(m)
-    assert (kw["activation"], kw["limit"]) == ("silu_clamp_out" if after else "silu_clamp", 0.75)
+    assert {k: kw[k] for k in expected} == expected
     gu = torch.randn(5, 2 * 16, generator=torch.Generator().manual_seed(0)) * 3
     g, u = gu.chunk(2, dim=-1)
     ref = m._apply_gate(gu)
     assert (g > 0.75).any() and (u.abs() > 0.75).any()
-    torch.testing.assert_close(activate(g, u, kw["activation"], limit=kw["limit"]), ref,
-                               rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(activate(g, u, **{"alpha": 1.702, "limit": 7.0, **expected}), ref,
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_class_route_fp8_model(interpreter, monkeypatch):

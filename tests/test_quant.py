@@ -279,7 +279,8 @@ def test_fp8_variants(interpreter):
                  dict(activation="gelu_tanh"), dict(activation="relu"),
                  # limits that bind on these inputs (|h| reaches ~1)
                  dict(activation="silu_clamp", limit=0.2),
-                 dict(activation="silu_clamp_out", limit=0.1, gate_up_interleaved=True)):
+                 dict(activation="silu_clamp_out", limit=0.1, gate_up_interleaved=True),
+                 dict(activation="swiglu_softcap", alpha=0.3, limit=0.2)):
         out = dispatch_quantized(*args, **kw, **more, out=_poisoned(args[0]))
         same_q, unquantized = _errors(out, args, kw, **more)
         assert same_q < 1e-4, (more, same_q)

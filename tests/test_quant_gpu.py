@@ -120,12 +120,12 @@ def test_mxfp4_gpt_oss_accuracy(T):
     print(f"gpt-oss-20b T={T}: MXFP4 W4A16 {err:.2e}")
 
 
-@pytest.mark.parametrize("activation", ["silu_clamp", "silu_clamp_out"])
+@pytest.mark.parametrize("activation", ["silu_clamp", "silu_clamp_out", "swiglu_softcap"])
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_clamped_silu_activations(fmt, activation):
-    """DeepSeek-V4's and Step-3.7's clamped SwiGLU with quantized weights, T = 1 and 300: within
-    1e-2 of the reference (FP8: the same activation quantization), with a limit that changes the
-    output by more than that (the clamp binds)."""
+    """DeepSeek-V4's and Step-3.7's clamped SwiGLU and Inkling2's softcapped one with quantized
+    weights, T = 1 and 300: within 1e-2 of the reference (FP8: the same activation
+    quantization), with a limit (softcaps 0.5) that changes the output by more than that."""
     for T in (1, 300):
         g = torch.Generator(device=DEV).manual_seed(7 + T)
         E, K, H, I = 16, 4, 1024, 384
@@ -138,11 +138,12 @@ def test_clamped_silu_activations(fmt, activation):
         hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
         tw, ids = _route(T, E, K, g)
         args = (hidden, q13, q2, tw, ids)
-        ref = quantized_dispatch_reference(*args, **kw, activation=activation, limit=0.5)
+        ref = quantized_dispatch_reference(*args, **kw, activation=activation, alpha=0.5,
+                                           limit=0.5)
         plain = quantized_dispatch_reference(*args, **kw)
         assert rel_err(plain, ref) > 5e-2, "the limit does not bind"
         out = torch.full_like(hidden, float("nan"))
-        dispatch_quantized(*args, **kw, activation=activation, limit=0.5, out=out)
+        dispatch_quantized(*args, **kw, activation=activation, alpha=0.5, limit=0.5, out=out)
         err = rel_err(out, ref)
         assert err <= 1e-2, (T, err)
         print(f"{fmt} {activation} T={T}: {err:.2e} (clamp changes the output by "

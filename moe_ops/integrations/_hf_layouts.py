@@ -92,8 +92,8 @@ class ExpertsLayout:
 
 
 _OK_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-# the op's activations that read `limit` (and, swiglu_oai, `alpha`)
-_CLAMPED = ("swiglu_oai", "silu_clamp", "silu_clamp_out")
+# the op's activations that read `limit` (swiglu_oai and swiglu_softcap also `alpha`)
+_CLAMPED = ("swiglu_oai", "silu_clamp", "silu_clamp_out", "swiglu_softcap")
 
 # (experts class, act_fn class, scalar settings, 2I) -> (activation, interleaved, alpha, limit) or a
 # problem string:
@@ -127,6 +127,21 @@ def _limit_params(experts) -> list:
     return out
 
 
+def _softcap_params(experts):
+    """(gate softcap, up softcap) of a softcapped SwiGLU (Inkling2's act_fn modules, or
+    FP8Experts' gate_softcap / up_softcap), or None."""
+    act = getattr(experts, "act_fn", None)
+    caps = []
+    for name in ("gate_softcap", "up_softcap"):
+        v = getattr(getattr(act, name, None), "softcap", None)
+        if v is None:
+            v = getattr(experts, name, None)
+        caps.append(v)
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in caps):
+        return float(caps[0]), float(caps[1])
+    return None
+
+
 def _gated_reference(gu: torch.Tensor, activation: str, interleaved: bool, alpha=1.702, limit=7.0):
     if interleaved:
         g, u = gu[..., ::2], gu[..., 1::2]
@@ -140,6 +155,8 @@ def _gated_reference(gu: torch.Tensor, activation: str, interleaved: bool, alpha
         return F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
     if activation == "silu_clamp_out":
         return F.silu(g).clamp(max=limit) * u.clamp(-limit, limit)
+    if activation == "swiglu_softcap":
+        return alpha * torch.tanh(g / alpha) * torch.sigmoid(g) * (limit * torch.tanh(u / limit))
     act = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
            "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[activation]
     return act(g) * u
@@ -153,15 +170,17 @@ def _probe_custom_gate(experts, two_i: int):
     act = getattr(experts, "act_fn", None)
     params = _swiglu_params(experts)
     limits = _limit_params(experts)
+    caps = _softcap_params(experts)
     # Everything the gate may read besides the input: the class, the activation's class and the
     # instance's scalar settings (a clamp limit set on some layers only, e.g. Step3p7's).
     scalars = tuple(sorted((k, v) for k, v in vars(experts).items()
                            if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))))
-    key = (type(experts), type(act), scalars, two_i)
+    key = (type(experts), type(act), scalars, caps, two_i)
     if key in _GATE_CACHE:
         return _GATE_CACHE[key]
     gen = torch.Generator().manual_seed(0)
-    reach = max([12.0] + [2.0 * lim + 2.0 for lim in limits + ([params[1]] if params else [])])
+    reach = max([12.0] + [2.0 * lim + 2.0 for lim in limits + ([params[1]] if params else [])
+                          + list(caps or ())])
     gu = (torch.rand(6, two_i, generator=gen) * 2.0 - 1.0) * reach
     try:
         with torch.no_grad():
@@ -178,6 +197,8 @@ def _probe_custom_gate(experts, two_i: int):
     for lim in limits:
         candidates += [(name, il, 1.702, lim) for name in ("silu_clamp", "silu_clamp_out")
                        for il in (False, True)]
+    if caps is not None:
+        candidates += [("swiglu_softcap", il, caps[0], caps[1]) for il in (False, True)]
     # the closest candidate within float32 rounding (silu_clamp and silu_clamp_out differ by
     # L * sigmoid(-L) at the limit L: a few ulps for a large one)
     result, best = None, None
@@ -208,8 +229,9 @@ class _ProbeSelf:
 
 def _gate_settings(experts):
     """What the gate's arithmetic depends on: the module's class, the activation module's class
-    and the module's scalar settings (train/eval mode excluded)."""
-    return (type(experts), type(getattr(experts, "act_fn", None))) + tuple(sorted(
+    and softcaps, and the module's scalar settings (train/eval mode excluded)."""
+    head = (type(experts), type(getattr(experts, "act_fn", None)), _softcap_params(experts))
+    return head + tuple(sorted(
         (k, v) for k, v in vars(experts).items()
         if not k.startswith("_") and k != "training"
         and (v is None or isinstance(v, (bool, int, float, str)))))

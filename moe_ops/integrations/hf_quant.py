@@ -14,9 +14,9 @@ Qwen3-MoE FP8 checkpoints: transformers' `FP8Experts`) and gpt-oss MXFP4 experts
   module with `attach_mxfp4` (views, no copy), and `mxfp4_experts_forward` runs them with
   gpt-oss's interleaved gate/up rows, biases and clamped SwiGLU.
 Both refuse (UnsupportedModelError) what moe.dispatch does not compute: static activation
-scales, per-tensor scales, FP4 `expert_dtype`, soft-capped gates, ungated experts. A SiLU gate
-clamped to `limit` before or after the SiLU (DeepSeek-V4, Step-3.7) runs `silu_clamp` /
-`silu_clamp_out`."""
+scales, per-tensor scales, FP4 `expert_dtype`, ungated experts. A SiLU gate clamped to `limit`
+before or after the SiLU (DeepSeek-V4, Step-3.7) runs `silu_clamp` / `silu_clamp_out`, a
+softcapped SwiGLU (Inkling2) `swiglu_softcap`."""
 from __future__ import annotations
 
 import torch
@@ -71,13 +71,19 @@ def fp8_dispatch_kwargs(experts) -> dict:
     bs = getattr(experts, "block_size", None)
     if bs is None:
         problems.append("per-tensor scales (block_size=None)")
-    if getattr(experts, "gate_softcap", None) is not None:
-        problems.append("soft-capped gate")
     act = type(getattr(experts, "act_fn", None)).__name__
     swiglu_alpha = getattr(experts, "swiglu_alpha", None)
     limit = getattr(experts, "limit", None)
     kw = {}
-    if swiglu_alpha is not None:
+    gate_cap, up_cap = getattr(experts, "gate_softcap", None), getattr(experts, "up_softcap", None)
+    if gate_cap is not None:   # FP8Experts._apply_gate: the softcapped SwiGLU (Inkling2)
+        if not (isinstance(gate_cap, (int, float)) and isinstance(up_cap, (int, float))
+                and gate_cap > 0 and up_cap > 0):
+            problems.append(f"soft-capped gate with caps {gate_cap!r} / {up_cap!r} (two positive "
+                            "floats expected)")
+        else:
+            kw.update(activation="swiglu_softcap", alpha=float(gate_cap), limit=float(up_cap))
+    elif swiglu_alpha is not None:
         kw.update(activation="swiglu_oai", alpha=float(swiglu_alpha),
                   limit=float(limit if limit is not None else 7.0))
     elif act not in ("SiLUActivation", "SiLU"):

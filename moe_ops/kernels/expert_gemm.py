@@ -158,17 +158,18 @@ def gate_up_tile(x_ptr, w_ptr, tok, row_valid, e, pid_n, H, I,
 
 
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU, ACT_SWIGLU_OAI = 0, 1, 2, 3, 4
-ACT_SILU_CLAMP, ACT_SILU_CLAMP_OUT = 5, 6
+ACT_SILU_CLAMP, ACT_SILU_CLAMP_OUT, ACT_SWIGLU_SOFTCAP = 5, 6, 7
 ACT_CODES = {"silu": ACT_SILU, "gelu": ACT_GELU, "gelu_tanh": ACT_GELU_TANH, "relu": ACT_RELU,
              "swiglu_oai": ACT_SWIGLU_OAI, "silu_clamp": ACT_SILU_CLAMP,
-             "silu_clamp_out": ACT_SILU_CLAMP_OUT}
+             "silu_clamp_out": ACT_SILU_CLAMP_OUT, "swiglu_softcap": ACT_SWIGLU_SOFTCAP}
 
 
 @triton.jit
 def activate(g, u, ACT: tl.constexpr, alpha, limit):
     """a = act(g, u) in float32 (docs/contract.md): SwiGLU, GeGLU (erf or tanh), ReGLU,
     gpt-oss's clamped (u + 1) * g * sigmoid(alpha * g), or SwiGLU with the gate clamped before
-    (silu_clamp) or after (silu_clamp_out) the SiLU and the up projection to [-limit, limit].
+    (silu_clamp) or after (silu_clamp_out) the SiLU and the up projection to [-limit, limit], or
+    Inkling2's softcapped SwiGLU (alpha * tanh(g / alpha) * sigmoid(g) * limit * tanh(u / limit)).
     tanh as 2 sigmoid(2x) - 1 (exact at the ends: exp overflows to inf, giving -1)."""
     if ACT == 0:
         a = g / (1.0 + tl.exp(-g)) * u
@@ -184,6 +185,10 @@ def activate(g, u, ACT: tl.constexpr, alpha, limit):
         a = gc / (1.0 + tl.exp(-gc)) * tl.minimum(tl.maximum(u, -limit), limit)
     elif ACT == 6:
         a = tl.minimum(g / (1.0 + tl.exp(-g)), limit) * tl.minimum(tl.maximum(u, -limit), limit)
+    elif ACT == 7:
+        tg = 2.0 / (1.0 + tl.exp(-2.0 * g / alpha)) - 1.0
+        tu = 2.0 / (1.0 + tl.exp(-2.0 * u / limit)) - 1.0
+        a = alpha * tg / (1.0 + tl.exp(-g)) * (limit * tu)
     else:
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)

@@ -361,6 +361,15 @@ def activate_grad(g, u, ACT: tl.constexpr, alpha, limit):
         a = fc * uc
         dadg = tl.where(f <= limit, uc * sig * (1.0 + g * (1.0 - sig)), 0.0)
         dadu = tl.where((u >= -limit) & (u <= limit), fc, 0.0)
+    elif ACT == 7:
+        tg = 2.0 / (1.0 + tl.exp(-2.0 * g / alpha)) - 1.0
+        tu = 2.0 / (1.0 + tl.exp(-2.0 * u / limit)) - 1.0
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        gf = alpha * tg * sig
+        uc = limit * tu
+        a = gf * uc
+        dadg = uc * ((1.0 - tg * tg) * sig + alpha * tg * sig * (1.0 - sig))
+        dadu = gf * (1.0 - tu * tu)
     else:
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)

@@ -44,6 +44,7 @@ RELU = tl.constexpr(3)
 SWIGLU_OAI = tl.constexpr(4)
 SILU_CLAMP = tl.constexpr(5)
 SILU_CLAMP_OUT = tl.constexpr(6)
+SWIGLU_SOFTCAP = tl.constexpr(7)
 
 
 @triton.jit
@@ -68,6 +69,10 @@ def activate(g, u, alpha, limit, ACTIVATION: tl.constexpr):
         a = gc * _sigmoid(gc) * tl.minimum(tl.maximum(u, -limit), limit)
     elif ACTIVATION == SILU_CLAMP_OUT:   # Step-3.7: the SiLU's output clamped
         a = tl.minimum(g * _sigmoid(g), limit) * tl.minimum(tl.maximum(u, -limit), limit)
+    elif ACTIVATION == SWIGLU_SOFTCAP:   # Inkling2: tanh softcaps alpha (gate), limit (up)
+        tg = 2.0 * _sigmoid(2.0 * g / alpha) - 1.0
+        tu = 2.0 * _sigmoid(2.0 * u / limit) - 1.0
+        a = alpha * tg * _sigmoid(g) * (limit * tu)
     else:   # SWIGLU_OAI (gpt-oss): clamped gate and up
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)

@@ -114,8 +114,11 @@ def check_variant_types(activation="silu", w13_bias=None, w2_bias=None, alpha=1.
             raise ValueError(f"{name} must be finite, got {x}")
     if isinstance(limit, (int, float)) and limit <= 0:
         raise ValueError(f"limit must be > 0 (swiglu_oai, silu_clamp and silu_clamp_out clamp "
-                         f"the gate to <= limit and the up projection to [-limit, limit]), "
-                         f"got {limit}")
+                         f"the gate to <= limit and the up projection to [-limit, limit]; "
+                         f"swiglu_softcap caps the up projection at limit), got {limit}")
+    if activation == "swiglu_softcap" and isinstance(alpha, (int, float)) and alpha <= 0:
+        raise ValueError(f"alpha must be > 0 with activation='swiglu_softcap' (the gate's "
+                         f"softcap), got {alpha}")
     for name, x in (("gate_up_interleaved", gate_up_interleaved),
                     ("weights_on_input", weights_on_input),
                     ("quantize_activations", quantize_activations)):

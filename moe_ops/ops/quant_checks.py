@@ -8,7 +8,8 @@ from moe_ops.reference.quant import DEFAULT_BLOCK_SHAPE, weight_format
 
 # moe.dispatch's activations, in the kernels' code order (moe_ops.kernels.expert_gemm.ACT_CODES,
 # quant_gemm's constants); moe_ops.ops.checks uses this list too.
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_oai", "silu_clamp", "silu_clamp_out")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "swiglu_oai", "silu_clamp", "silu_clamp_out",
+               "swiglu_softcap")
 QUANT_HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MXFP4_GROUP = 32   # e2m1 values per e8m0 scale
 MXFP4_LAYOUTS = ("plain", "mma")   # moe.dispatch's mxfp4_layout (moe_ops.mxfp4_layout)

@@ -120,6 +120,8 @@ VARIANTS = [
     # limits small enough to bind
     ("silu_clamp", dict(w13_bias=True), dict(activation="silu_clamp", limit=0.4)),
     ("silu_clamp_out", dict(transpose_w13=True), dict(activation="silu_clamp_out", limit=0.15)),
+    # Inkling2's softcapped SwiGLU (alpha: the gate's softcap, limit: the up's), caps that bend
+    ("swiglu_softcap", dict(w2_bias=True), dict(activation="swiglu_softcap", alpha=0.3, limit=0.2)),
 ]
 
 

@@ -64,6 +64,8 @@ def activate(g, u, activation="silu", alpha=1.702, limit=7.0):
         return F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
     if activation == "silu_clamp_out":
         return F.silu(g).clamp(max=limit) * u.clamp(-limit, limit)
+    if activation == "swiglu_softcap":
+        return alpha * torch.tanh(g / alpha) * torch.sigmoid(g) * (limit * torch.tanh(u / limit))
     raise ValueError(f"unknown activation {activation!r}")
 
 
@@ -78,6 +80,10 @@ def activate_backward(g, u, da, activation="silu", alpha=1.702, limit=7.0):
         dglu = sg + alpha * gc * sg * (1 - sg)
         return (da * (uc + 1) * dglu * (g <= limit),
                 da * glu * ((u >= -limit) & (u <= limit)))
+    if activation == "swiglu_softcap":
+        tg, tu, sg = torch.tanh(g / alpha), torch.tanh(u / limit), torch.sigmoid(g)
+        dadg = limit * tu * ((1 - tg * tg) * sg + alpha * tg * sg * (1 - sg))
+        return da * dadg, da * alpha * tg * sg * (1 - tu * tu)
     if activation in ("silu_clamp", "silu_clamp_out"):
         uc = u.clamp(-limit, limit)
         gc = g.clamp(max=limit) if activation == "silu_clamp" else g

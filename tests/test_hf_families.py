@@ -27,7 +27,6 @@ FAMILIES = hf_families.families()
 REFUSED = {
     "doge": "DogeCDMoE",
     "jetmoe": "JetMoeParallelExperts",
-    "muse_spark": "post-expert norm",
     "nllb_moe": "NllbMoeSparseMLP",
     "switch_transformers": "SwitchTransformersSparseMLP",
     "vitpose_backbone": "VitPoseNaiveMoe",
@@ -319,3 +318,36 @@ def test_softcapped_swiglu_gate(fam):
     got = ex(x, top, w)
     (ggot,) = torch.autograd.grad(got.pow(2).sum(), x)
     assert rel_err(got, ref) < 1e-5 and rel_err(ggot, gref) < 1e-5
+
+
+@pytest.mark.skipif("muse_spark" not in FAMILIES, reason="this transformers has no MuseSpark")
+def test_post_expert_norm():
+    """MuseSpark's experts norm each expert's output before the routing weight: one moe.dispatch
+    over one row per route, then the norm and the weighted sum. Output and the gradients of the
+    input, the weights, the routing weights and the norm's scale match transformers' eager
+    experts, with a dropped route (id = E) and a token whose routes all drop."""
+    model = hf_families.build("muse_spark")
+    ex = next(m for m in _experts_modules(model) if getattr(m, "has_post_expert_norm", False))
+    E = ex.gate_up_proj.shape[0]
+    g = torch.Generator().manual_seed(6)
+    T, K = 7, 2
+    x = torch.randn(T, ex.gate_up_proj.shape[2], generator=g).requires_grad_(True)
+    top = torch.randn(T, E, generator=g).topk(K, -1).indices
+    top[1, 0] = E
+    top[3] = E
+    w = torch.rand(T, K, generator=g).requires_grad_(True)
+    with torch.no_grad():
+        ex.post_expert_norm.weight.uniform_(0.5, 1.5)
+    params = [x, w, ex.gate_up_proj, ex.down_proj, ex.post_expert_norm.weight]
+    results = []
+    for impl in ("eager", "moe_ops"):
+        model.set_experts_implementation(impl)
+        with OpCounter() as c:
+            out = ex(x, top, w)
+        results.append((out, torch.autograd.grad(out.pow(2).sum(), params), c.counts))
+    (ref, gref, _), (got, ggot, counts) = results
+    assert counts.get("dispatch", 0) + counts.get("dispatch_train", 0) == 1, counts
+    assert got.dtype == ref.dtype and rel_err(got, ref) < 1e-5
+    assert got[3].abs().max() == 0
+    for p, a, b in zip(["x", "w", "gate_up_proj", "down_proj", "norm"], ggot, gref):
+        assert rel_err(a, b) < 1e-5, p

@@ -19,9 +19,9 @@ __all__ = ["UnsupportedModelError", "ExpertsLayout", "activation_name", "experts
 
 class UnsupportedModelError(ValueError):
     """The model, or one of its MoE modules, has no moe_ops path (unknown family, or an experts
-    layout the op does not compute: ungated experts, a post-expert norm, an activation other than
-    SiLU/GELU/ReLU gating, gpt-oss's clamped SwiGLU or a SiLU clamped before or after, quantized
-    weights...)."""
+    layout the op does not compute: ungated experts other than ReLU squared, an activation other
+    than the op's gates (SiLU/GELU/ReLU, gpt-oss's clamped SwiGLU, a SiLU clamped before or after,
+    a softcapped SwiGLU), quantized weights outside FP8/MXFP4...)."""
 
 
 # transformers.activations class names (ACT2FN values) and torch.nn modules, by the op's name.
@@ -70,6 +70,9 @@ class ExpertsLayout:
     weights_on_input: bool = False
     # DBRX: the up projection apart from the gate (w13 [E, I, H] is then the gate alone)
     w3: torch.Tensor | None = None
+    # MuseSpark: a norm applied to each expert's output before the routing weight
+    # (has_post_expert_norm); not a moe.dispatch argument: the caller runs one row per route
+    post_norm: torch.nn.Module | None = None
 
     def dispatch_kwargs(self) -> dict:
         """Only the arguments that differ from the op's defaults: a Mixtral-style layout calls
@@ -255,8 +258,11 @@ def experts_layout(experts: torch.nn.Module, where: str | None = None) -> Expert
                         "moe.dispatch computes gated MLPs")
     if not isinstance(w2, torch.Tensor):
         problems.append("no down_proj tensor")
+    post_norm = None
     if getattr(experts, "has_post_expert_norm", False):
-        problems.append("a post-expert norm (has_post_expert_norm=True)")
+        post_norm = getattr(experts, "post_expert_norm", None)
+        if not isinstance(post_norm, torch.nn.Module):
+            problems.append("has_post_expert_norm=True without a post_expert_norm module")
     transposed = bool(getattr(experts, "is_transposed", False)
                       or getattr(experts, "experts_are_transposed", False))
     activation, interleaved, alpha, limit = "silu", False, 1.702, 7.0
@@ -288,7 +294,8 @@ def experts_layout(experts: torch.nn.Module, where: str | None = None) -> Expert
                 problems.append("no act_fn")
             elif name is None:
                 problems.append(f"activation {_act_label(act)} (moe.dispatch gates with SiLU, GELU "
-                                "(erf or tanh), ReLU, gpt-oss's clamped SwiGLU, or SiLU clamped to a limit)")
+                                "(erf or tanh), ReLU, gpt-oss's clamped SwiGLU, SiLU clamped to a limit, or a "
+                                "softcapped SwiGLU)")
             else:
                 activation = name
         if not problems:
@@ -308,7 +315,7 @@ def experts_layout(experts: torch.nn.Module, where: str | None = None) -> Expert
     return ExpertsLayout(v13, v2, activation,
                          b13 if isinstance(b13, torch.Tensor) else None,
                          b2 if isinstance(b2, torch.Tensor) else None,
-                         alpha, limit, interleaved)
+                         alpha, limit, interleaved, post_norm=post_norm)
 
 
 def _llama4_layout(experts, where):
@@ -318,7 +325,8 @@ def _llama4_layout(experts, where):
     name = activation_name(act) if act is not None else None
     if name is None:
         _raise(experts, where, [f"activation {_act_label(act)} (moe.dispatch gates with SiLU, GELU "
-                                "(erf or tanh), ReLU, gpt-oss's clamped SwiGLU, or SiLU clamped to a limit)"])
+                                "(erf or tanh), ReLU, gpt-oss's clamped SwiGLU, SiLU clamped to a limit, or a "
+                                "softcapped SwiGLU)"])
     v13, v2 = experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
     _check_weights(experts, where, v13, v2, False, None, None)
     return ExpertsLayout(v13, v2, name, weights_on_input=True)
@@ -349,7 +357,8 @@ def _dbrx_layout(experts, where):
     activation = activation_name(act) if act is not None else None
     if activation is None:
         problems.append(f"activation {_act_label(act)} (moe.dispatch gates with SiLU, GELU "
-                        "(erf or tanh), ReLU, gpt-oss's clamped SwiGLU, or SiLU clamped to a limit)")
+                        "(erf or tanh), ReLU, gpt-oss's clamped SwiGLU, SiLU clamped to a limit, or a "
+                                "softcapped SwiGLU)")
     if problems:
         _raise(experts, where, problems)
     w13, w3 = w1.view(E, I, H), v1.view(E, I, H)
@@ -424,5 +433,5 @@ def _raise(experts, where, problems):
         f"moe_ops: {type(experts).__name__}{at} has an experts layout that moe.dispatch does not "
         f"cover: {'; '.join(problems)}. moe.dispatch computes gated experts (gate_up_proj [E, 2I, H] "
         "or its transpose, gate/up concatenated or interleaved, optional biases) with SiLU, GELU, "
-        "ReLU, gpt-oss's clamped SwiGLU or SiLU clamped to a limit, and ungated ReLU-squared "
-        "experts.")
+        "ReLU, gpt-oss's clamped SwiGLU, SiLU clamped to a limit or a softcapped SwiGLU, and "
+        "ungated ReLU-squared experts.")

@@ -5,9 +5,11 @@ Every family whose experts class uses transformers' `@use_experts_implementation
 through its recorded layout (`_hf_layouts.experts_layout`): `gate_up_proj` `[E, 2I, H]` or, where
 the family stores it transposed (gpt-oss, Aria), `[E, H, 2I]` read as `gate_up_proj.transpose(1, 2)`
 (a view, never a copy); gate/up halves concatenated or interleaved; optional biases; SiLU, GELU
-(erf or tanh), ReLU or gpt-oss's clamped SwiGLU gating. Llama 4's MoE block (router weight on the
-input) and DBRX's experts (gate `w1` and up `v1` as two tensors, passed as `w13` and `w3` views)
-are covered too. Ungated experts, post-expert norms, other activations or custom gates and the
+(erf or tanh), ReLU, gpt-oss's clamped SwiGLU, a SiLU clamped before or after (DeepSeek-V4,
+Step-3.7) or a softcapped SwiGLU (Inkling2). Llama 4's MoE block (router weight on the input),
+DBRX's experts (gate `w1` and up `v1` as two tensors, passed as `w13` and `w3` views), ungated
+ReLU-squared experts (NemotronH, Ergo: `w13 = w3 = up_proj`) and post-expert norms (MuseSpark:
+one dispatch row per route) are covered too. Other ungated activations and custom gates and the
 capacity-limited routers (NLLB-MoE, Switch) are refused with an `UnsupportedModelError` naming
 the difference.
 
@@ -105,8 +107,22 @@ def _dispatch_experts(self, hidden_states, top_k_index, top_k_weights, layout=No
         # transformers' expert parallelism marks experts of other ranks with ids >= local E;
         # moe.dispatch's sentinel is any id < 0.
         ids = torch.where(ids < E, ids, torch.full_like(ids, -1))
+    if layout.post_norm is not None:
+        return _dispatch_post_norm(layout, x, weights, ids).to(hidden_states.dtype).reshape(shape)
     out = _dispatch(layout, x, weights, ids)
     return out.to(hidden_states.dtype).reshape(shape)
+
+
+def _dispatch_post_norm(layout: ExpertsLayout, x, weights, ids):
+    """Experts whose output is normed before the routing weight (MuseSpark's post_expert_norm):
+    one moe.dispatch row per route (x repeated K times, top-1 ids, weight 1), the norm on each
+    route's output, then the weighted sum over the K routes in float32. A dropped route (id < 0)
+    gives a zero row, whose norm is zero."""
+    T, K = ids.shape
+    ones = torch.ones(T * K, 1, dtype=torch.float32, device=x.device)
+    y = _dispatch(layout, x.repeat_interleave(K, dim=0), ones, ids.reshape(T * K, 1))
+    y = layout.post_norm(y).reshape(T, K, -1)
+    return (y.float() * weights.float().unsqueeze(-1)).sum(1)
 
 
 def moe_ops_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -668,6 +684,10 @@ def _check_expert_parallel(plan) -> None:
             continue
         layout = experts_layout(module)
         own = getattr(module, "gate_up_proj", None)
+        if layout.post_norm is not None:
+            raise UnsupportedModelError(
+                f"apply_moe_ops: expert parallelism does not cover {type(module).__name__} "
+                "(a norm on each expert's output, has_post_expert_norm).")
         if (layout.activation != "silu" or layout.dispatch_kwargs()
                 or layout.w13 is not own):
             raise UnsupportedModelError(

@@ -267,12 +267,21 @@ def test_clamped_silu_gates(fam):
     layout = experts_layout(ex)
     expected = "silu_clamp_out" if fam in ("step3p7", "bailing_hybrid") else "silu_clamp"
     assert (layout.activation, layout.limit) == (expected, 14.0)
-    g = torch.Generator().manual_seed(3)
+    # the largest pre-activation 3x the limit
+    h = _experts_match_eager(model, ex, layout, largest=42.0, seed=3)
+    assert (h.abs() > 14).float().mean() > 0.05, "the limit does not bind on these inputs"
+
+
+def _experts_match_eager(model, ex, layout, largest, seed):
+    """The experts module's output and input gradient through "moe_ops" against "eager" on
+    random routes, the input scaled so that the largest pre-activation is `largest`; returns the
+    pre-activations [T, E, 2I]."""
+    g = torch.Generator().manual_seed(seed)
     T, K = 9, 2
     E = layout.w13.shape[0]
     x = torch.randn(T, layout.w13.shape[2], generator=g)
-    with torch.no_grad():   # scaled so that the largest pre-activation is 3x the limit
-        x *= 42.0 / torch.einsum("eih,th->tei", layout.w13.float(), x).abs().max()
+    with torch.no_grad():
+        x *= largest / torch.einsum("eih,th->tei", layout.w13.float(), x).abs().max()
     x.requires_grad_(True)
     top = torch.randn(T, E, generator=g).topk(K, -1).indices
     w = torch.rand(T, K, generator=g)
@@ -282,9 +291,8 @@ def test_clamped_silu_gates(fam):
     model.set_experts_implementation("moe_ops")
     got = ex(x, top, w)
     (ggot,) = torch.autograd.grad(got.pow(2).sum(), x)
-    h = torch.einsum("eih,th->tei", layout.w13.detach(), x.detach())
-    assert (h.abs() > 14).float().mean() > 0.05, "the limit does not bind on these inputs"
     assert rel_err(got, ref) < 1e-5 and rel_err(ggot, gref) < 1e-5
+    return torch.einsum("eih,th->tei", layout.w13.detach(), x.detach())
 
 
 SOFTCAPPED = [f for f in ("inkling2", "inkling2_loop") if f in FAMILIES]
@@ -302,22 +310,8 @@ def test_softcapped_swiglu_gate(fam):
     ex.act_fn.gate_softcap.softcap, ex.act_fn.up_softcap.softcap = 0.5, 0.3
     layout = experts_layout(ex)
     assert (layout.activation, layout.alpha, layout.limit) == ("swiglu_softcap", 0.5, 0.3)
-    g = torch.Generator().manual_seed(4)
-    T, K = 9, 2
-    E = layout.w13.shape[0]
-    x = torch.randn(T, layout.w13.shape[2], generator=g)
-    with torch.no_grad():   # the largest pre-activation ~3: both caps bend
-        x *= 3.0 / torch.einsum("eih,th->tei", layout.w13.float(), x).abs().max()
-    x.requires_grad_(True)
-    top = torch.randn(T, E, generator=g).topk(K, -1).indices
-    w = torch.rand(T, K, generator=g)
-    model.set_experts_implementation("eager")
-    ref = ex(x, top, w)
-    (gref,) = torch.autograd.grad(ref.pow(2).sum(), x)
-    model.set_experts_implementation("moe_ops")
-    got = ex(x, top, w)
-    (ggot,) = torch.autograd.grad(got.pow(2).sum(), x)
-    assert rel_err(got, ref) < 1e-5 and rel_err(ggot, gref) < 1e-5
+    # the largest pre-activation 3: both caps bend
+    _experts_match_eager(model, ex, layout, largest=3.0, seed=4)
 
 
 @pytest.mark.skipif("muse_spark" not in FAMILIES, reason="this transformers has no MuseSpark")

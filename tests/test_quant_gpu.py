@@ -59,6 +59,15 @@ def mxfp4_weights(E, H, I, g):
     return b13, b2, s13, s2
 
 
+def small_quant_weights(fmt, E, H, I, g):
+    """(w13, w2, scale keywords) of a small random FP8 or MXFP4 (interleaved gate/up) layer."""
+    if fmt == "fp8":
+        q13, q2, s13, s2 = fp8_weights(E, H, I, g, std=0.05)
+        return q13, q2, dict(w13_scale=s13, w2_scale=s2)
+    q13, q2, s13, s2 = mxfp4_weights(E, H, I, g)
+    return q13, q2, dict(w13_scale=s13, w2_scale=s2, gate_up_interleaved=True)
+
+
 @pytest.fixture(scope="module")
 def fp8_models():
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -129,12 +138,7 @@ def test_clamped_silu_activations(fmt, activation):
     for T in (1, 300):
         g = torch.Generator(device=DEV).manual_seed(7 + T)
         E, K, H, I = 16, 4, 1024, 384
-        if fmt == "fp8":
-            q13, q2, s13, s2 = fp8_weights(E, H, I, g, std=0.05)
-            kw = dict(w13_scale=s13, w2_scale=s2)
-        else:
-            q13, q2, s13, s2 = mxfp4_weights(E, H, I, g)
-            kw = dict(w13_scale=s13, w2_scale=s2, gate_up_interleaved=True)
+        q13, q2, kw = small_quant_weights(fmt, E, H, I, g)
         hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
         tw, ids = _route(T, E, K, g)
         args = (hidden, q13, q2, tw, ids)
@@ -522,12 +526,9 @@ def test_fast_launch_repeated_and_misaligned_calls(fmt, T, monkeypatch):
     monkeypatch.delenv("MOE_OPS_FAST_LAUNCH", raising=False)
     g = torch.Generator(device=DEV).manual_seed(900 + T)
     E, K, H, I = 16, 4, 512, 384
-    if fmt == "fp8":
-        q13, q2, s13, s2 = fp8_weights(E, H, I, g, std=0.05)
-        kw = dict(w13_scale=s13, w2_scale=s2)
-    else:
-        q13, q2, s13, s2 = mxfp4_weights(E, H, I, g)
-        kw = dict(w13_scale=s13, w2_scale=s2, activation="swiglu_oai", gate_up_interleaved=True)
+    q13, q2, kw = small_quant_weights(fmt, E, H, I, g)
+    if fmt == "mxfp4":
+        kw["activation"] = "swiglu_oai"
     hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
     tw, ids = _route(T, E, K, g)
     ref = quantized_dispatch_reference(hidden, q13, q2, tw, ids, **kw)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moe_ops.reference.dispatch import activate
+
 __all__ = ["UnsupportedModelError", "ExpertsLayout", "activation_name", "experts_layout"]
 
 
@@ -150,19 +152,7 @@ def _gated_reference(gu: torch.Tensor, activation: str, interleaved: bool, alpha
         g, u = gu[..., ::2], gu[..., 1::2]
     else:
         g, u = gu.chunk(2, dim=-1)
-    if activation == "swiglu_oai":
-        g = g.clamp(max=limit)
-        u = u.clamp(min=-limit, max=limit)
-        return (u + 1) * g * torch.sigmoid(alpha * g)
-    if activation == "silu_clamp":
-        return F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
-    if activation == "silu_clamp_out":
-        return F.silu(g).clamp(max=limit) * u.clamp(-limit, limit)
-    if activation == "swiglu_softcap":
-        return alpha * torch.tanh(g / alpha) * torch.sigmoid(g) * (limit * torch.tanh(u / limit))
-    act = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
-           "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[activation]
-    return act(g) * u
+    return activate(g, u, activation, alpha, limit)
 
 
 def _probe_custom_gate(experts, two_i: int):

@@ -191,6 +191,8 @@ def test_errors(path, request):
          "activation must be one of 'silu', 'gelu', 'gelu_tanh', 'relu', 'swiglu_oai', "
          "'silu_clamp', 'silu_clamp_out', 'swiglu_softcap'"),
         (dict(limit=-1.0), ValueError, "limit must be > 0"),
+        (dict(activation="swiglu_softcap", alpha=0.0), ValueError,
+         "alpha must be > 0 with activation='swiglu_softcap'"),
         (dict(alpha=float("nan")), ValueError, "alpha must be finite"),
         (dict(w13_scale=torch.ones(4, 1, 1)), TypeError,
          "w13_scale given with float32 weights"),

@@ -84,7 +84,7 @@ class ExpertsLayout:
             kw["w13_bias"] = self.w13_bias
         if self.w2_bias is not None:
             kw["w2_bias"] = self.w2_bias
-        if self.activation in _CLAMPED:
+        if self.activation in _READS_ALPHA_LIMIT:
             kw["alpha"] = float(self.alpha)
             kw["limit"] = float(self.limit)
         if self.gate_up_interleaved:
@@ -98,7 +98,10 @@ class ExpertsLayout:
 
 _OK_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # the op's activations that read `limit` (swiglu_oai and swiglu_softcap also `alpha`)
-_CLAMPED = ("swiglu_oai", "silu_clamp", "silu_clamp_out", "swiglu_softcap")
+_READS_ALPHA_LIMIT = ("swiglu_oai", "silu_clamp", "silu_clamp_out", "swiglu_softcap")
+# what the op gates with, for the refusals of an unknown activation
+_GATES = ("(moe.dispatch gates with SiLU, GELU (erf or tanh), ReLU, gpt-oss's clamped SwiGLU, SiLU "
+          "clamped to a limit, or a softcapped SwiGLU)")
 
 # (experts class, act_fn class, scalar settings, 2I) -> (activation, interleaved, alpha, limit) or a
 # problem string:
@@ -155,20 +158,16 @@ def _gated_reference(gu: torch.Tensor, activation: str, interleaved: bool, alpha
     return activate(g, u, activation, alpha, limit)
 
 
-def _probe_custom_gate(experts, two_i: int):
+def _probe_custom_gate(experts, two_i: int, settings):
     """(activation, interleaved, alpha, limit) that a class-level `_apply_gate` computes, found by
     evaluating it on fixed values in [-R, R], R = max(12, 2 * limit + 2) over the module's clamp
-    limits (so that every clamp binds), against each candidate the op has; or a problem string. Done once per (class, act_fn class, alpha, limit):
-    the evaluation is a handful of float32 ops on the CPU, never traced."""
-    act = getattr(experts, "act_fn", None)
+    limits and softcaps (so that every clamp binds), against each candidate the op has; or a
+    problem string. Done once per gate `settings` (_gate_settings) and width: the evaluation is a
+    handful of float32 ops on the CPU, never traced."""
     params = _swiglu_params(experts)
     limits = _limit_params(experts)
     caps = _softcap_params(experts)
-    # Everything the gate may read besides the input: the class, the activation's class and the
-    # instance's scalar settings (a clamp limit set on some layers only, e.g. Step3p7's).
-    scalars = tuple(sorted((k, v) for k, v in vars(experts).items()
-                           if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))))
-    key = (type(experts), type(act), scalars, caps, two_i)
+    key = (settings, two_i)
     if key in _GATE_CACHE:
         return _GATE_CACHE[key]
     gen = torch.Generator().manual_seed(0)
@@ -222,7 +221,8 @@ class _ProbeSelf:
 
 def _gate_settings(experts):
     """What the gate's arithmetic depends on: the module's class, the activation module's class
-    and softcaps, and the module's scalar settings (train/eval mode excluded)."""
+    and softcaps, and the module's scalar settings (a clamp limit set on some layers only, e.g.
+    Step3p7's; train/eval mode excluded)."""
     head = (type(experts), type(getattr(experts, "act_fn", None)), _softcap_params(experts))
     return head + tuple(sorted(
         (k, v) for k, v in vars(experts).items()
@@ -271,7 +271,7 @@ def experts_layout(experts: torch.nn.Module, where: str | None = None) -> Expert
         gate_fn = getattr(type(experts), "_apply_gate", None)
         two_i = w13.shape[2] if transposed else w13.shape[1]
         if gate_fn is not None and gate_fn is not _default_apply_gate():
-            found = _probe_custom_gate(experts, int(two_i))
+            found = _probe_custom_gate(experts, int(two_i), settings)
             if isinstance(found, str):
                 problems.append(found)
             else:
@@ -283,9 +283,7 @@ def experts_layout(experts: torch.nn.Module, where: str | None = None) -> Expert
             if act is None:
                 problems.append("no act_fn")
             elif name is None:
-                problems.append(f"activation {_act_label(act)} (moe.dispatch gates with SiLU, GELU "
-                                "(erf or tanh), ReLU, gpt-oss's clamped SwiGLU, SiLU clamped to a limit, or a "
-                                "softcapped SwiGLU)")
+                problems.append(f"activation {_act_label(act)} {_GATES}")
             else:
                 activation = name
         if not problems:
@@ -314,9 +312,7 @@ def _llama4_layout(experts, where):
     act = getattr(experts, "act_fn", None)
     name = activation_name(act) if act is not None else None
     if name is None:
-        _raise(experts, where, [f"activation {_act_label(act)} (moe.dispatch gates with SiLU, GELU "
-                                "(erf or tanh), ReLU, gpt-oss's clamped SwiGLU, SiLU clamped to a limit, or a "
-                                "softcapped SwiGLU)"])
+        _raise(experts, where, [f"activation {_act_label(act)} {_GATES}"])
     v13, v2 = experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
     _check_weights(experts, where, v13, v2, False, None, None)
     return ExpertsLayout(v13, v2, name, weights_on_input=True)
@@ -346,9 +342,7 @@ def _dbrx_layout(experts, where):
     act = getattr(mlp, "activation_fn", None)
     activation = activation_name(act) if act is not None else None
     if activation is None:
-        problems.append(f"activation {_act_label(act)} (moe.dispatch gates with SiLU, GELU "
-                        "(erf or tanh), ReLU, gpt-oss's clamped SwiGLU, SiLU clamped to a limit, or a "
-                                "softcapped SwiGLU)")
+        problems.append(f"activation {_act_label(act)} {_GATES}")
     if problems:
         _raise(experts, where, problems)
     w13, w3 = w1.view(E, I, H), v1.view(E, I, H)
@@ -361,8 +355,8 @@ def _ungated_layout(experts, where):
     """Ungated experts (NemotronH: `up_proj` [E, I, H], an activation, `down_proj` [E, H, I]; or
     their transposes with is_transposed) whose activation is ReLU squared: relu(h)^2 = relu(h) * h
     exactly (relu(h) is h or 0), so moe.dispatch computes them as ReLU gating with the up
-    projection as both gate (w13) and up (w3) rows, the same tensor, no copy. The first GEMM then
-    does twice the work of an ungated one; gradients of the two uses add up in up_proj."""
+    projection as both gate (w13) and up (w3) rows, the same tensor, no copy: the gate+up kernel
+    computes the product once (SAME_W3); gradients of the two uses add up in up_proj."""
     up, down = experts.up_proj, getattr(experts, "down_proj", None)
     act = getattr(experts, "act_fn", None)
     problems = []

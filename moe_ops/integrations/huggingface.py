@@ -695,7 +695,7 @@ def _check_expert_parallel(plan) -> None:
                 f"without biases; {type(module).__name__} is {layout.activation}-gated"
                 f"{', biased' if layout.w13_bias is not None else ''}"
                 f"{', interleaved' if layout.gate_up_interleaved else ''}"
-                f"{', ungated (ReLU squared)' if layout.w3 is not None and layout.w3 is layout.w13 else ''}"
+                f"{', ungated (ReLU squared)' if layout.w3 is layout.w13 else ''}"
                 f"{', with separate gate and up tensors' if layout.w3 is not None and layout.w3 is not layout.w13 else ''}"
                 f"{', transposed' if layout.w3 is None and layout.w13 is not own else ''}.")
 

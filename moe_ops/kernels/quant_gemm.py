@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moe_ops.kernels.expert_gemm import grouped_tile, row_block
+from moe_ops.kernels.expert_gemm import combine_last, grouped_tile, row_block
 
 FP8_MAX = tl.constexpr(448.0)
 ACT_AMAX_FLOOR = tl.constexpr(1e-30)   # moe_ops.reference.quant.ACT_AMAX_FLOOR
@@ -667,9 +667,12 @@ def quant_gate_up_kernel(
     ACT_F32: tl.constexpr = False, EVEN_K: tl.constexpr = False,
     PREFETCH_SCALES: tl.constexpr = False, STACK_GU: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, MMA_LAYOUT: tl.constexpr = False,
-    ONE_FACTOR: tl.constexpr = False,
+    ONE_FACTOR: tl.constexpr = False, counters_ptr=None, n_counters=0,
+    BLOCK_C: tl.constexpr = 0,
 ):
-    """ONE_FACTOR (MXFP4, inline PTX decode): the program reads its scale rows once before the
+    """BLOCK_C > 0 (T == 1, direct rows): program 0 zeroes the n_counters int32 counters of the
+    down kernel's folded combine (COMBINE_K), after the PDL wait.
+    ONE_FACTOR (MXFP4, inline PTX decode): the program reads its scale rows once before the
     K loop (scales_at_most_128) and, where every byte is <= 128, scales each decoded pair by one
     multiplication instead of two; the same values.
     MMA_LAYOUT (MXFP4 with SWAP_AB; with INTERLEAVED only stacked): w13 in
@@ -690,6 +693,11 @@ def quant_gate_up_kernel(
     pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
+    if BLOCK_C > 0:
+        if tl.program_id(0) == 0:
+            offs_c = tl.arange(0, BLOCK_C)
+            tl.store(counters_ptr + offs_c, tl.zeros((BLOCK_C,), tl.int32),
+                     mask=offs_c < n_counters)
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
@@ -862,9 +870,14 @@ def quant_down_kernel(
     SWAP_AB: tl.constexpr = False, QUANT_GATHER: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, PREFETCH_SCALES: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, MMA_LAYOUT: tl.constexpr = False,
-    ONE_FACTOR: tl.constexpr = False,
+    ONE_FACTOR: tl.constexpr = False, counters_ptr=None, out_ptr=None, stride_oh=0,
+    COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False,
 ):
-    """MMA_LAYOUT, ONE_FACTOR: as quant_gate_up_kernel's (w2 in moe_ops.mxfp4_layout's order).
+    """COMBINE_K = K > 0 (T == 1, direct rows): the combine happens here, as in
+    expert_gemm.down_kernel: the last of the K programs of an H tile (counters_ptr, zeroed by
+    the gate+up kernel) sums the K rows of y in slot order into out_ptr (expert_gemm.combine_last:
+    bitwise combine_kernel's result; FENCE in compiled code).
+    MMA_LAYOUT, ONE_FACTOR: as quant_gate_up_kernel's (w2 in moe_ops.mxfp4_layout's order).
     QUANT_GATHER (W8A8): act is the gate+up kernel's float32 output (ACT_F32), quantized
     here per row and bk columns (BLOCK_K == bk) by the epilogue's arithmetic: the same e4m3
     values and scales, computed once per N tile instead of once per row. USE_PDL: as
@@ -926,6 +939,9 @@ def quant_down_kernel(
         acc = acc * tw[:, None]
     tl.store(y_ptr + slots[:, None] * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
+    if COMBINE_K > 0:
+        combine_last(y_ptr, ids_ptr, counters_ptr, out_ptr, pid_n, H, n_experts, stride_ik,
+                     stride_ym, stride_oh, BLOCK_N, COMBINE_K, FENCE)
 
 
 @triton.jit

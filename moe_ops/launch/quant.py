@@ -193,8 +193,16 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         kernel_for(quantize_groups_kernel, dev, fk)[(cdiv(T, block_t), cdiv(H, bk))](
             hidden, x, xs, T, H, hidden.stride(0), hidden.stride(1), x.stride(0), xs.stride(0),
             EMULATE=emulate, BLOCK_T=block_t, BLOCK_K=bk, num_warps=4, **pdl)
+    # One token: the down kernel's last program per H tile does the combine (counters zeroed
+    # by the gate+up kernel; no combine launch), where y is in out's dtype.
+    counters = None
+    if direct and cfg.combine_in_down and inter == out.dtype and K <= 32:
+        counters = torch.empty(cdiv(H, cfg.block_n2), dtype=torch.int32, device=dev)
+    fold = {} if counters is None else dict(counters_ptr=counters, n_counters=counters.numel(),
+                                            BLOCK_C=next_pow2(counters.numel()))
     bufs = (act, act_scale, y) + (() if direct else (al.sorted_slots, al.block_expert,
                                                      al.num_rows))
+    bufs += () if counters is None else (counters,)
     fk = launch_key(key and (key, "gate_up"), x, xs, *bufs)
     kernel_for(quant_gate_up_kernel, dev, fk)[(n_blocks * cdiv(I, cfg.block_n1),)](
         x, w13_k, w13_scale, b13, topk_weights, act, al.sorted_slots, al.block_expert,
@@ -208,8 +216,11 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         BLOCK_N=cfg.block_n1, A_PREQUANT=prequant, SCALAR_SCALE=scalar13, ACT_F32=act_f32,
         EVEN_K=H % cfg.block_k == 0,
         STACK_GU=bool(common["SWAP_AB"] and cfg.mxfp4_stacked_gate_up), MMA_LAYOUT=mma,
-        ONE_FACTOR=one_factor, **common,
+        ONE_FACTOR=one_factor, **fold, **common,
     )
+    if counters is not None:
+        fold = dict(counters_ptr=counters, out_ptr=out, stride_oh=out.stride(1), COMBINE_K=K,
+                    FENCE=not emulate)
     fk = launch_key(key and (key, "down"), *bufs)
     kernel_for(quant_down_kernel, dev, fk)[(n_blocks * cdiv(H, cfg.block_n2),)](
         act, w2_k, w2_scale, b2, topk_weights, y, al.sorted_slots, al.block_expert, al.num_rows,
@@ -221,8 +232,10 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         HAS_BIAS=w2_bias is not None, HAS_WEIGHTS=not weights_on_input,
         BLOCK_N=cfg.block_n2, SCALAR_SCALE=scalar2, QUANT_GATHER=act_f32,
         EVEN_K=I % cfg.block_k == 0, MMA_LAYOUT=mma, ONE_FACTOR=one_factor,
-        **common,
+        **fold, **common,
     )
+    if counters is not None:
+        return out
     if inter != out.dtype:
         out32 = torch.empty(T, H, dtype=inter, device=dev)
         combine_triton(y, topk_ids, out32, E, pdl=bool(pdl))

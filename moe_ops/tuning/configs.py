@@ -174,6 +174,10 @@ class QuantDispatchConfig:
     # each decoded pair by one packed multiplication (2^(s - 1)) instead of two; the same values.
     # Off until measured on a GPU
     mxfp4_one_factor: bool = False
+    # T == 1 (direct rows): the last down program of each H tile sums the token's K rows in
+    # slot order (expert_gemm.combine_last, the bf16 path's fold): no combine launch, the same
+    # bits as combine_kernel
+    combine_in_down: bool = True
 
 
 CONFIG_CLASSES = (DispatchConfig, RowGemmConfig, WeightGradConfig, ActivationGradConfig,

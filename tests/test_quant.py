@@ -1198,3 +1198,55 @@ def test_mxfp4_dequant_rows_path(interpreter, layout, monkeypatch):
     monkeypatch.setattr(quant, "MXFP4_DEQUANT_MAX_BYTES", 3 * E * H * I * 2 - 1)
     dispatch_quantized(*args, **kw, config=cfg)
     assert len(calls) == 1
+
+
+def _tail_routing(g):
+    """195 tokens, K = 2, E = 4: expert rows 5 / 40 / 150 / 192 (three slots dropped): with
+    128-row blocks, expert 1's only block and expert 2's last hold <= 64 valid rows (half-height
+    tails), expert 3's last exactly 64 (a tail too), expert 0's 5."""
+    T = 195
+    ids = torch.empty(T, 2, dtype=torch.int32)
+    ids[:, 1] = 3
+    ids[:40, 0], ids[40:190, 0], ids[190:, 0] = 1, 2, 0
+    ids[[3, 77, 150], 1] = -1
+    perm = torch.randperm(T, generator=g)
+    return ids[perm].contiguous()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_half_tails_are_bit_equal(interpreter, fmt):
+    """128-row blocks with the half-height tails in their own 64-row launch
+    (QuantDispatchConfig.half_tails) give the 128-row tiles' output within float32 rounding
+    (the interpreter's dots are numpy's; bit for bit on the GPU): W8A8 with the
+    scalar weight scale, MXFP4 transposed with gpt-oss's variants; an empty expert, an expert
+    whose only block is a tail, tails of 22 and exactly 64 rows, dropped slots. Matches the
+    reference."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+
+    g = torch.Generator().manual_seed(_seed())
+    ids = _tail_routing(g)
+    T = ids.shape[0]
+    if fmt == "fp8":
+        args, kw = fp8_inputs(T, 96, 64, 4, 2, (32, 32), seed=_seed())
+        base = quant_dispatch_config(T, 4, 2, 96, 64, "fp8", 32, "cpu", quant_a=True)
+        bound = 1e-2
+    else:
+        args, kw, biases = mxfp4_inputs(T, 96, 64, 4, 2)
+        kw = dict(kw, activation="swiglu_oai", gate_up_interleaved=True, **biases)
+        base = dataclasses.replace(quant_dispatch_config(T, 4, 2, 96, 64, "mxfp4", 32, "cpu"),
+                                   mxfp4_swap_ab=True)
+        bound = 1e-5
+    args = args[:4] + (ids,)
+    outs = []
+    for tails in (False, True):
+        out = _poisoned(args[0])
+        dispatch_quantized(*args, **kw, out=out,
+                           config=dataclasses.replace(base, block_m=128, half_tails=tails))
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all()
+    # the interpreter's float32 dots are numpy's, whose sums follow the 64 / 128 tile height
+    # (bit-equal on the GPU: test_quant_gpu.py)
+    assert rel_err(outs[1], outs[0]) < 1e-6
+    assert rel_err(outs[1], quantized_dispatch_reference(*args, **kw)) < bound

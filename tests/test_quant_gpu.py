@@ -706,3 +706,83 @@ def test_quant_tune_short_run_writes_a_table_the_call_uses(tmp_path, monkeypatch
     out = torch.full_like(ref, float("nan"))
     dispatch_quantized(hidden, w13, w2, tw, ids, **kw, mxfp4_layout="mma", out=out)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4-mma"])
+@pytest.mark.parametrize("dropped", [False, True])
+def test_combine_in_down_is_combine_kernel(fmt, dropped):
+    """T = 1: the combine folded into the down kernel (QuantDispatchConfig.combine_in_down, the
+    default) gives the combine kernel's output bit for bit, with a dropped slot (id -1) too,
+    and every call the same bits (the last program per H tile sums in slot order)."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+    from moe_ops.mxfp4_layout import swizzle_mxfp4
+
+    T = 1
+    if fmt == "mxfp4-mma":
+        E, K, H, I = SHAPES["gpt_oss_20b"]
+        hidden, w13, w2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 900)
+        w13, w2 = swizzle_mxfp4(w13), swizzle_mxfp4(w2)
+        kw["mxfp4_layout"] = "mma"
+        base = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda", mma=True)
+    else:
+        E, K, H, I = SHAPES["qwen3_30b_a3b"]
+        g = torch.Generator(device=DEV).manual_seed(901)
+        w13, w2, s13, s2 = fp8_weights(E, H, I, g)
+        hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+        tw, ids = _route(T, E, K, g)
+        kw = dict(w13_scale=s13, w2_scale=s2, block_shape=[128, 128])
+        base = quant_dispatch_config(T, E, K, H, I, "fp8", 128, "cuda", quant_a=True)
+    assert base.combine_in_down
+    if dropped:
+        ids = ids.clone()
+        ids[0, 1] = -1
+    outs = []
+    for fold in (False, True, True):
+        out = torch.full((T, H), float("nan"), device=DEV, dtype=torch.bfloat16)
+        dispatch_quantized(hidden, w13, w2, tw, ids, **kw, out=out,
+                           config=dataclasses.replace(base, combine_in_down=fold))
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[1], outs[0])
+    assert torch.equal(outs[2], outs[0])
+
+
+@pytest.mark.parametrize("fmt,T", [("fp8", 4096), ("mxfp4-mma", 2048)])
+def test_half_tails_bit_equal(fmt, T):
+    """128-row blocks whose half-height tails run in their own 64-row launch
+    (QuantDispatchConfig.half_tails) give the 128-row tiles' output bit for bit (64- and
+    128-row tiles are one MMA class), W8A8 at Qwen3-30B-A3B's shape (256 rows per expert) and
+    MXFP4 at gpt-oss-20b's (mma layout); a dropped slot; every call the same bits."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+    from moe_ops.mxfp4_layout import swizzle_mxfp4
+
+    if fmt == "mxfp4-mma":
+        E, K, H, I = SHAPES["gpt_oss_20b"]
+        hidden, w13, w2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 950)
+        w13, w2 = swizzle_mxfp4(w13), swizzle_mxfp4(w2)
+        kw["mxfp4_layout"] = "mma"
+        base = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda", mma=True)
+    else:
+        E, K, H, I = SHAPES["qwen3_30b_a3b"]
+        g = torch.Generator(device=DEV).manual_seed(951)
+        w13, w2, s13, s2 = fp8_weights(E, H, I, g)
+        hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+        tw, ids = _route(T, E, K, g)
+        kw = dict(w13_scale=s13, w2_scale=s2, block_shape=[128, 128])
+        base = quant_dispatch_config(T, E, K, H, I, "fp8", 128, "cuda", quant_a=True)
+    ids = ids.clone()
+    ids[5, 0] = -1
+    base = dataclasses.replace(base, block_m=128)
+    outs = []
+    for tails in (False, True, True):
+        out = torch.full((T, H), float("nan"), device=DEV, dtype=torch.bfloat16)
+        dispatch_quantized(hidden, w13, w2, tw, ids, **kw, out=out,
+                           config=dataclasses.replace(base, half_tails=tails))
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[1], outs[0])
+    assert torch.equal(outs[2], outs[0])

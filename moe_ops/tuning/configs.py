@@ -178,6 +178,10 @@ class QuantDispatchConfig:
     # slot order (expert_gemm.combine_last, the bf16 path's fold): no combine launch, the same
     # bits as combine_kernel
     combine_in_down: bool = True
+    # 128-row blocks: an expert's last block with <= 64 valid rows runs as a 64-row tile in a
+    # second launch of each GEMM (quant_gemm.program_rows: TAIL), not as a 128-row tile that is
+    # more than half padding
+    half_tails: bool = False
 
 
 CONFIG_CLASSES = (DispatchConfig, RowGemmConfig, WeightGradConfig, ActivationGradConfig,

@@ -1250,3 +1250,12 @@ def test_half_tails_are_bit_equal(interpreter, fmt):
     # (bit-equal on the GPU: test_quant_gpu.py)
     assert rel_err(outs[1], outs[0]) < 1e-6
     assert rel_err(outs[1], quantized_dispatch_reference(*args, **kw)) < bound
+
+
+def test_activation_codes_are_the_bf16_kernels():
+    """The quantized kernels pass ACTIVATIONS.index(name) to expert_gemm.activate, whose codes
+    are ACT_CODES: the two orders must agree."""
+    from moe_ops.kernels.expert_gemm import ACT_CODES
+    from moe_ops.ops.quant_checks import ACTIVATIONS
+
+    assert {a: ACTIVATIONS.index(a) for a in ACTIVATIONS} == ACT_CODES

@@ -31,53 +31,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moe_ops.kernels.expert_gemm import combine_last, grouped_tile, half_tail, row_block
+from moe_ops.kernels.expert_gemm import activate, combine_last, grouped_tile, half_tail, row_block
 
 FP8_MAX = tl.constexpr(448.0)
 ACT_AMAX_FLOOR = tl.constexpr(1e-30)   # moe_ops.reference.quant.ACT_AMAX_FLOOR
-
-# activation codes (moe_ops.launch.quant.ACTIVATIONS)
-SILU = tl.constexpr(0)
-GELU = tl.constexpr(1)
-GELU_TANH = tl.constexpr(2)
-RELU = tl.constexpr(3)
-SWIGLU_OAI = tl.constexpr(4)
-SILU_CLAMP = tl.constexpr(5)
-SILU_CLAMP_OUT = tl.constexpr(6)
-SWIGLU_SOFTCAP = tl.constexpr(7)
-
-
-@triton.jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def activate(g, u, alpha, limit, ACTIVATION: tl.constexpr):
-    """a from the float32 gate and up pre-activations (moe.dispatch's activations)."""
-    if ACTIVATION == SILU:
-        a = g * _sigmoid(g) * u
-    elif ACTIVATION == GELU:
-        a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * u
-    elif ACTIVATION == GELU_TANH:
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = 0.5 * g * (2.0 * _sigmoid(2.0 * z)) * u      # 1 + tanh(z) = 2 sigmoid(2z)
-    elif ACTIVATION == RELU:
-        a = tl.maximum(g, 0.0) * u
-    elif ACTIVATION == SILU_CLAMP:   # DeepSeek-V4: the gate clamped before the SiLU
-        gc = tl.minimum(g, limit)
-        a = gc * _sigmoid(gc) * tl.minimum(tl.maximum(u, -limit), limit)
-    elif ACTIVATION == SILU_CLAMP_OUT:   # Step-3.7: the SiLU's output clamped
-        a = tl.minimum(g * _sigmoid(g), limit) * tl.minimum(tl.maximum(u, -limit), limit)
-    elif ACTIVATION == SWIGLU_SOFTCAP:   # Inkling2: tanh softcaps alpha (gate), limit (up)
-        tg = 2.0 * _sigmoid(2.0 * g / alpha) - 1.0
-        tu = 2.0 * _sigmoid(2.0 * u / limit) - 1.0
-        a = alpha * tg * _sigmoid(g) * (limit * tu)
-    else:   # SWIGLU_OAI (gpt-oss): clamped gate and up
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        a = (u + 1.0) * g * _sigmoid(alpha * g)
-    return a
 
 
 @triton.jit
@@ -829,7 +786,7 @@ def quant_gate_up_kernel(
         b_base = bias_ptr + e * stride_be
         acc_g += tl.load(b_base + g_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_base + u_rows * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    act = activate(acc_g, acc_u, alpha, limit, ACTIVATION)
+    act = activate(acc_g, acc_u, ACTIVATION, alpha, limit)   # codes: ACTIVATIONS' order
     if QUANT_A and not ACT_F32:
         # the down GEMM's A, quantized here once (BLOCK_N == bk: this tile is one bk group of
         # each row), from the float32 values: e4m3 act (its float32 value under EMULATE) and

@@ -1259,3 +1259,35 @@ def test_activation_codes_are_the_bf16_kernels():
     from moe_ops.ops.quant_checks import ACTIVATIONS
 
     assert {a: ACTIVATIONS.index(a) for a in ACTIVATIONS} == ACT_CODES
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_combine_in_down_one_token(interpreter, fmt):
+    """T = 1 with QuantDispatchConfig.combine_in_down: the last down program of each H tile sums
+    the K rows (no combine launch) and gives the combine kernel's output bit for bit, with a
+    dropped slot; float32 hidden (the interpreter keeps bf16 intermediates in float32, where the
+    launcher keeps the combine launch)."""
+    import dataclasses
+
+    from moe_ops.launch.quant import quant_dispatch_config
+
+    if fmt == "fp8":
+        args, kw = fp8_inputs(1, 96, 64, 4, 3, (32, 32), seed=_seed())
+        base = quant_dispatch_config(1, 4, 3, 96, 64, "fp8", 32, "cpu", quant_a=True)
+    else:
+        args, kw, biases = mxfp4_inputs(1, 96, 64, 4, 3)
+        kw = dict(kw, activation="swiglu_oai", gate_up_interleaved=True, **biases)
+        base = quant_dispatch_config(1, 4, 3, 96, 64, "mxfp4", 32, "cpu")
+    ids = args[4].clone()
+    ids[0, 1] = -1
+    args = args[:4] + (ids,)
+    outs = []
+    for fold in (False, True):
+        out = _poisoned(args[0])
+        dispatch_quantized(*args, **kw, out=out,
+                           config=dataclasses.replace(base, combine_in_down=fold))
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
+    ref = quantized_dispatch_reference(*args, **kw)
+    assert rel_err(outs[1], ref) < (1e-2 if fmt == "fp8" else 1e-5)

@@ -708,44 +708,58 @@ def test_quant_tune_short_run_writes_a_table_the_call_uses(tmp_path, monkeypatch
     assert torch.equal(out, ref)
 
 
+def _variant_case(fmt, T, seed):
+    """(hidden, w13, w2, tw, ids, dispatch keywords, heuristic config) for a bit-equality test
+    of a config variant: MXFP4 at gpt-oss-20b's shape in the mma layout ("mxfp4-mma"), or FP8
+    W8A8 at Qwen3-30B-A3B's ("fp8")."""
+    from moe_ops.launch.quant import quant_dispatch_config
+    from moe_ops.mxfp4_layout import swizzle_mxfp4
+
+    if fmt == "mxfp4-mma":
+        E, K, H, I = SHAPES["gpt_oss_20b"]
+        hidden, w13, w2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, seed)
+        w13, w2 = swizzle_mxfp4(w13), swizzle_mxfp4(w2)
+        kw["mxfp4_layout"] = "mma"
+        return hidden, w13, w2, tw, ids, kw, quant_dispatch_config(T, E, K, H, I, "mxfp4", 32,
+                                                                  "cuda", mma=True)
+    E, K, H, I = SHAPES["qwen3_30b_a3b"]
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w13, w2, s13, s2 = fp8_weights(E, H, I, g)
+    hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
+    tw, ids = _route(T, E, K, g)
+    kw = dict(w13_scale=s13, w2_scale=s2, block_shape=[128, 128])
+    return hidden, w13, w2, tw, ids, kw, quant_dispatch_config(T, E, K, H, I, "fp8", 128, "cuda",
+                                                              quant_a=True)
+
+
+def _same_bits_with(field, case, base):
+    """Three calls: the base config with `field` False, then twice with it True; each output on
+    NaN-poisoned memory; all three bitwise equal and finite."""
+    import dataclasses
+
+    hidden, w13, w2, tw, ids, kw = case
+    outs = []
+    for on in (False, True, True):
+        out = torch.full(hidden.shape, float("nan"), device=DEV, dtype=torch.bfloat16)
+        dispatch_quantized(hidden, w13, w2, tw, ids, **kw, out=out,
+                           config=dataclasses.replace(base, **{field: on}))
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[1], outs[0])
+    assert torch.equal(outs[2], outs[0])
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4-mma"])
 @pytest.mark.parametrize("dropped", [False, True])
 def test_combine_in_down_is_combine_kernel(fmt, dropped):
     """T = 1: the combine folded into the down kernel (QuantDispatchConfig.combine_in_down, the
     opt-in) gives the combine kernel's output bit for bit, with a dropped slot (id -1) too,
     and every call the same bits (the last program per H tile sums in slot order)."""
-    import dataclasses
-
-    from moe_ops.launch.quant import quant_dispatch_config
-    from moe_ops.mxfp4_layout import swizzle_mxfp4
-
-    T = 1
-    if fmt == "mxfp4-mma":
-        E, K, H, I = SHAPES["gpt_oss_20b"]
-        hidden, w13, w2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 900)
-        w13, w2 = swizzle_mxfp4(w13), swizzle_mxfp4(w2)
-        kw["mxfp4_layout"] = "mma"
-        base = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda", mma=True)
-    else:
-        E, K, H, I = SHAPES["qwen3_30b_a3b"]
-        g = torch.Generator(device=DEV).manual_seed(901)
-        w13, w2, s13, s2 = fp8_weights(E, H, I, g)
-        hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
-        tw, ids = _route(T, E, K, g)
-        kw = dict(w13_scale=s13, w2_scale=s2, block_shape=[128, 128])
-        base = quant_dispatch_config(T, E, K, H, I, "fp8", 128, "cuda", quant_a=True)
+    *case, base = _variant_case(fmt, 1, 900)
     if dropped:
-        ids = ids.clone()
-        ids[0, 1] = -1
-    outs = []
-    for fold in (False, True, True):
-        out = torch.full((T, H), float("nan"), device=DEV, dtype=torch.bfloat16)
-        dispatch_quantized(hidden, w13, w2, tw, ids, **kw, out=out,
-                           config=dataclasses.replace(base, combine_in_down=fold))
-        outs.append(out)
-    assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[1], outs[0])
-    assert torch.equal(outs[2], outs[0])
+        case[4] = case[4].clone()
+        case[4][0, 1] = -1
+    _same_bits_with("combine_in_down", case, base)
 
 
 @pytest.mark.parametrize("fmt,T", [("fp8", 4096), ("mxfp4-mma", 2048)])
@@ -756,32 +770,7 @@ def test_half_tails_bit_equal(fmt, T):
     MXFP4 at gpt-oss-20b's (mma layout); a dropped slot; every call the same bits."""
     import dataclasses
 
-    from moe_ops.launch.quant import quant_dispatch_config
-    from moe_ops.mxfp4_layout import swizzle_mxfp4
-
-    if fmt == "mxfp4-mma":
-        E, K, H, I = SHAPES["gpt_oss_20b"]
-        hidden, w13, w2, tw, ids, kw = _gpt_oss_20b_mxfp4(T, 950)
-        w13, w2 = swizzle_mxfp4(w13), swizzle_mxfp4(w2)
-        kw["mxfp4_layout"] = "mma"
-        base = quant_dispatch_config(T, E, K, H, I, "mxfp4", 32, "cuda", mma=True)
-    else:
-        E, K, H, I = SHAPES["qwen3_30b_a3b"]
-        g = torch.Generator(device=DEV).manual_seed(951)
-        w13, w2, s13, s2 = fp8_weights(E, H, I, g)
-        hidden = torch.randn(T, H, device=DEV, generator=g).bfloat16()
-        tw, ids = _route(T, E, K, g)
-        kw = dict(w13_scale=s13, w2_scale=s2, block_shape=[128, 128])
-        base = quant_dispatch_config(T, E, K, H, I, "fp8", 128, "cuda", quant_a=True)
-    ids = ids.clone()
-    ids[5, 0] = -1
-    base = dataclasses.replace(base, block_m=128)
-    outs = []
-    for tails in (False, True, True):
-        out = torch.full((T, H), float("nan"), device=DEV, dtype=torch.bfloat16)
-        dispatch_quantized(hidden, w13, w2, tw, ids, **kw, out=out,
-                           config=dataclasses.replace(base, half_tails=tails))
-        outs.append(out)
-    assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[1], outs[0])
-    assert torch.equal(outs[2], outs[0])
+    *case, base = _variant_case(fmt, T, 950)
+    case[4] = case[4].clone()
+    case[4][5, 0] = -1
+    _same_bits_with("half_tails", case, dataclasses.replace(base, block_m=128))

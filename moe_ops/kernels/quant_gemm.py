@@ -564,8 +564,7 @@ def program_rows(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, expert_ends_
         if not DIRECT:
             go = pid_m * BLOCK_M < tl.load(num_rows_ptr)
             if SKIP_HALF:
-                go = go & (tl.load(sorted_ptr + pid_m * BLOCK_M + BLOCK_M // 2, mask=go,
-                                   other=0) < n_slots)
+                go = go & ~half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M)
         e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots,
                                               ids_ptr, stride_ik, n_experts, BLOCK_M, DIRECT,
                                               BLOCK_M)

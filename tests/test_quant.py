@@ -1200,58 +1200,6 @@ def test_mxfp4_dequant_rows_path(interpreter, layout, monkeypatch):
     assert len(calls) == 1
 
 
-def _tail_routing(g):
-    """195 tokens, K = 2, E = 4: expert rows 5 / 40 / 150 / 192 (three slots dropped): with
-    128-row blocks, expert 1's only block and expert 2's last hold <= 64 valid rows (half-height
-    tails), expert 3's last exactly 64 (a tail too), expert 0's 5."""
-    T = 195
-    ids = torch.empty(T, 2, dtype=torch.int32)
-    ids[:, 1] = 3
-    ids[:40, 0], ids[40:190, 0], ids[190:, 0] = 1, 2, 0
-    ids[[3, 77, 150], 1] = -1
-    perm = torch.randperm(T, generator=g)
-    return ids[perm].contiguous()
-
-
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_half_tails_are_bit_equal(interpreter, fmt):
-    """128-row blocks with the half-height tails in their own 64-row launch
-    (QuantDispatchConfig.half_tails) give the 128-row tiles' output within float32 rounding
-    (the interpreter's dots are numpy's; bit for bit on the GPU): W8A8 with the
-    scalar weight scale, MXFP4 transposed with gpt-oss's variants; an empty expert, an expert
-    whose only block is a tail, tails of 22 and exactly 64 rows, dropped slots. Matches the
-    reference."""
-    import dataclasses
-
-    from moe_ops.launch.quant import quant_dispatch_config
-
-    g = torch.Generator().manual_seed(_seed())
-    ids = _tail_routing(g)
-    T = ids.shape[0]
-    if fmt == "fp8":
-        args, kw = fp8_inputs(T, 96, 64, 4, 2, (32, 32), seed=_seed())
-        base = quant_dispatch_config(T, 4, 2, 96, 64, "fp8", 32, "cpu", quant_a=True)
-        bound = 1e-2
-    else:
-        args, kw, biases = mxfp4_inputs(T, 96, 64, 4, 2)
-        kw = dict(kw, activation="swiglu_oai", gate_up_interleaved=True, **biases)
-        base = dataclasses.replace(quant_dispatch_config(T, 4, 2, 96, 64, "mxfp4", 32, "cpu"),
-                                   mxfp4_swap_ab=True)
-        bound = 1e-5
-    args = args[:4] + (ids,)
-    outs = []
-    for tails in (False, True):
-        out = _poisoned(args[0])
-        dispatch_quantized(*args, **kw, out=out,
-                           config=dataclasses.replace(base, block_m=128, half_tails=tails))
-        outs.append(out)
-    assert torch.isfinite(outs[0]).all()
-    # the interpreter's float32 dots are numpy's, whose sums follow the 64 / 128 tile height
-    # (bit-equal on the GPU: test_quant_gpu.py)
-    assert rel_err(outs[1], outs[0]) < 1e-6
-    assert rel_err(outs[1], quantized_dispatch_reference(*args, **kw)) < bound
-
-
 def test_activation_codes_are_the_bf16_kernels():
     """The quantized kernels pass ACTIVATIONS.index(name) to expert_gemm.activate, whose codes
     are ACT_CODES: the two orders must agree."""
@@ -1260,34 +1208,3 @@ def test_activation_codes_are_the_bf16_kernels():
 
     assert {a: ACTIVATIONS.index(a) for a in ACTIVATIONS} == ACT_CODES
 
-
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_combine_in_down_one_token(interpreter, fmt):
-    """T = 1 with QuantDispatchConfig.combine_in_down: the last down program of each H tile sums
-    the K rows (no combine launch) and gives the combine kernel's output bit for bit, with a
-    dropped slot; float32 hidden (the interpreter keeps bf16 intermediates in float32, where the
-    launcher keeps the combine launch)."""
-    import dataclasses
-
-    from moe_ops.launch.quant import quant_dispatch_config
-
-    if fmt == "fp8":
-        args, kw = fp8_inputs(1, 96, 64, 4, 3, (32, 32), seed=_seed())
-        base = quant_dispatch_config(1, 4, 3, 96, 64, "fp8", 32, "cpu", quant_a=True)
-    else:
-        args, kw, biases = mxfp4_inputs(1, 96, 64, 4, 3)
-        kw = dict(kw, activation="swiglu_oai", gate_up_interleaved=True, **biases)
-        base = quant_dispatch_config(1, 4, 3, 96, 64, "mxfp4", 32, "cpu")
-    ids = args[4].clone()
-    ids[0, 1] = -1
-    args = args[:4] + (ids,)
-    outs = []
-    for fold in (False, True):
-        out = _poisoned(args[0])
-        dispatch_quantized(*args, **kw, out=out,
-                           config=dataclasses.replace(base, combine_in_down=fold))
-        outs.append(out)
-    assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[0], outs[1])
-    ref = quantized_dispatch_reference(*args, **kw)
-    assert rel_err(outs[1], ref) < (1e-2 if fmt == "fp8" else 1e-5)

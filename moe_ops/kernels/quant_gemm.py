@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moe_ops.kernels.expert_gemm import activate, combine_last, grouped_tile, half_tail, row_block
+from moe_ops.kernels.expert_gemm import activate, grouped_tile, row_block
 
 FP8_MAX = tl.constexpr(448.0)
 ACT_AMAX_FLOOR = tl.constexpr(1e-30)   # moe_ops.reference.quant.ACT_AMAX_FLOOR
@@ -543,32 +543,14 @@ def mma_rows(w_e, row0, offs_j, n_valid, stride_wn):
 
 
 @triton.jit
-def program_rows(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, expert_ends_ptr, n_slots,
-                 ids_ptr, stride_ik, n_experts, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr,
-                 TAIL: tl.constexpr, SKIP_HALF: tl.constexpr):
-    """(go, expert, rows, slots, row_valid) of this program's rows (offsets in int64; go False:
-    nothing to do). TAIL: pid_m is an expert, and the program takes the first BLOCK_M rows of
-    that expert's last 2 * BLOCK_M-row block of the alignment when the block's valid rows all
-    fit them (expert_gemm.half_tail), else nothing. SKIP_HALF: the row blocks such a TAIL
-    launch takes are left out here."""
-    go = True
-    if TAIL:
-        end = tl.load(expert_ends_ptr + pid_m)
-        start = tl.load(expert_ends_ptr + pid_m - 1, mask=pid_m > 0, other=0)
-        blk = tl.maximum(end // (2 * BLOCK_M) - 1, 0)
-        go = (end > start) & half_tail(sorted_ptr, blk, n_slots, 2 * BLOCK_M)
-        e, rows, slots, row_valid = row_block(blk, sorted_ptr, block_expert_ptr, n_slots,
-                                              ids_ptr, stride_ik, n_experts, 2 * BLOCK_M,
-                                              False, BLOCK_M)
-    else:
-        if not DIRECT:
-            go = pid_m * BLOCK_M < tl.load(num_rows_ptr)
-            if SKIP_HALF:
-                go = go & ~half_tail(sorted_ptr, pid_m, n_slots, BLOCK_M)
-        e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots,
-                                              ids_ptr, stride_ik, n_experts, BLOCK_M, DIRECT,
-                                              BLOCK_M)
-    return go, e, rows.to(tl.int64), slots.to(tl.int64), row_valid
+def _rows(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr, stride_ik, n_experts,
+          BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """(expert, rows, slots, row_valid) of row block pid_m (expert_gemm.row_block: the
+    alignment's tables, or DIRECT at T == 1: block k is slot k, no alignment launch), offsets
+    in int64."""
+    e, rows, slots, row_valid = row_block(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
+                                          stride_ik, n_experts, BLOCK_M, DIRECT, BLOCK_M)
+    return e, rows.to(tl.int64), slots.to(tl.int64), row_valid
 
 
 @triton.jit
@@ -642,15 +624,9 @@ def quant_gate_up_kernel(
     ACT_F32: tl.constexpr = False, EVEN_K: tl.constexpr = False,
     PREFETCH_SCALES: tl.constexpr = False, STACK_GU: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, MMA_LAYOUT: tl.constexpr = False,
-    ONE_FACTOR: tl.constexpr = False, counters_ptr=None, n_counters=0,
-    BLOCK_C: tl.constexpr = 0, expert_ends_ptr=None, TAIL: tl.constexpr = False,
-    SKIP_HALF: tl.constexpr = False,
+    ONE_FACTOR: tl.constexpr = False,
 ):
-    """TAIL / SKIP_HALF (program_rows): the half-height tails of 2 * BLOCK_M-row alignments, one
-    program per (expert, N tile), and the launch that leaves them out.
-    BLOCK_C > 0 (T == 1, direct rows): program 0 zeroes the n_counters int32 counters of the
-    down kernel's folded combine (COMBINE_K), after the PDL wait.
-    ONE_FACTOR (MXFP4, inline PTX decode): the program reads its scale rows once before the
+    """ONE_FACTOR (MXFP4, inline PTX decode): the program reads its scale rows once before the
     K loop (scales_at_most_128) and, where every byte is <= 128, scales each decoded pair by one
     multiplication instead of two; the same values.
     MMA_LAYOUT (MXFP4 with SWAP_AB; with INTERLEAVED only stacked): w13 in
@@ -668,23 +644,14 @@ def quant_gate_up_kernel(
     USE_PDL (programmatic dependent launch, launched with launch_pdl=True): the program waits
     for its predecessor (gdc_wait) before its first memory access and lets its successor
     launch (gdc_launch_dependents) once its K loop is done."""
-    if TAIL:
-        pid_m = tl.program_id(0) // tl.cdiv(I, BLOCK_N)
-        pid_n = tl.program_id(0) % tl.cdiv(I, BLOCK_N)
-    else:
-        pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, I, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
-    if BLOCK_C > 0:
-        if tl.program_id(0) == 0:
-            offs_c = tl.arange(0, BLOCK_C)
-            tl.store(counters_ptr + offs_c, tl.zeros((BLOCK_C,), tl.int32),
-                     mask=offs_c < n_counters)
-    go, e, rows, slots, row_valid = program_rows(
-        pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, expert_ends_ptr, n_slots, ids_ptr,
-        stride_ik, n_experts, BLOCK_M, DIRECT, TAIL, SKIP_HALF)
-    if not go:
-        return
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+    e, rows, slots, row_valid = _rows(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
+                                      stride_ik, n_experts, BLOCK_M, DIRECT)
     tok = tl.where(row_valid, slots // top_k, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
@@ -852,31 +819,21 @@ def quant_down_kernel(
     SWAP_AB: tl.constexpr = False, QUANT_GATHER: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, PREFETCH_SCALES: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, MMA_LAYOUT: tl.constexpr = False,
-    ONE_FACTOR: tl.constexpr = False, counters_ptr=None, out_ptr=None, stride_oh=0,
-    COMBINE_K: tl.constexpr = 0, FENCE: tl.constexpr = False, expert_ends_ptr=None,
-    TAIL: tl.constexpr = False, SKIP_HALF: tl.constexpr = False,
+    ONE_FACTOR: tl.constexpr = False,
 ):
-    """COMBINE_K = K > 0 (T == 1, direct rows): the combine happens here, as in
-    expert_gemm.down_kernel: the last of the K programs of an H tile (counters_ptr, zeroed by
-    the gate+up kernel) sums the K rows of y in slot order into out_ptr (expert_gemm.combine_last:
-    bitwise combine_kernel's result; FENCE in compiled code).
-    MMA_LAYOUT, ONE_FACTOR, TAIL, SKIP_HALF: as quant_gate_up_kernel's (w2 in moe_ops.mxfp4_layout's order).
+    """MMA_LAYOUT, ONE_FACTOR: as quant_gate_up_kernel's (w2 in moe_ops.mxfp4_layout's order).
     QUANT_GATHER (W8A8): act is the gate+up kernel's float32 output (ACT_F32), quantized
     here per row and bk columns (BLOCK_K == bk) by the epilogue's arithmetic: the same e4m3
     values and scales, computed once per N tile instead of once per row. USE_PDL: as
     quant_gate_up_kernel's."""
-    if TAIL:
-        pid_m = tl.program_id(0) // tl.cdiv(H, BLOCK_N)
-        pid_n = tl.program_id(0) % tl.cdiv(H, BLOCK_N)
-    else:
-        pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, H, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), n_row_blocks, H, BLOCK_N, GROUP_M)
     if USE_PDL:
         gdc_wait()
-    go, e, rows, slots, row_valid = program_rows(
-        pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, expert_ends_ptr, n_slots, ids_ptr,
-        stride_ik, n_experts, BLOCK_M, DIRECT, TAIL, SKIP_HALF)
-    if not go:
-        return
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+    e, rows, slots, row_valid = _rows(pid_m, sorted_ptr, block_expert_ptr, n_slots, ids_ptr,
+                                      stride_ik, n_experts, BLOCK_M, DIRECT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     offs_n64 = offs_n.to(tl.int64)
@@ -926,9 +883,6 @@ def quant_down_kernel(
         acc = acc * tw[:, None]
     tl.store(y_ptr + slots[:, None] * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=row_valid[:, None] & n_mask[None, :])
-    if COMBINE_K > 0:
-        combine_last(y_ptr, ids_ptr, counters_ptr, out_ptr, pid_n, H, n_experts, stride_ik,
-                     stride_ym, stride_oh, BLOCK_N, COMBINE_K, FENCE)
 
 
 @triton.jit

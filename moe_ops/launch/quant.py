@@ -193,70 +193,36 @@ def dispatch_quantized(hidden, w13, w2, topk_weights, topk_ids, *, activation="s
         kernel_for(quantize_groups_kernel, dev, fk)[(cdiv(T, block_t), cdiv(H, bk))](
             hidden, x, xs, T, H, hidden.stride(0), hidden.stride(1), x.stride(0), xs.stride(0),
             EMULATE=emulate, BLOCK_T=block_t, BLOCK_K=bk, num_warps=4, **pdl)
-    # One token: the down kernel's last program per H tile does the combine (counters zeroed
-    # by the gate+up kernel; no combine launch), where y is in out's dtype.
-    counters = None
-    if direct and cfg.combine_in_down and inter == out.dtype and K <= 32:
-        counters = torch.empty(cdiv(H, cfg.block_n2), dtype=torch.int32, device=dev)
-    fold = {} if counters is None else dict(counters_ptr=counters, n_counters=counters.numel(),
-                                            BLOCK_C=next_pow2(counters.numel()))
     bufs = (act, act_scale, y) + (() if direct else (al.sorted_slots, al.block_expert,
                                                      al.num_rows))
-    bufs += () if counters is None else (counters,)
-    # Half-height tails: a 2 * 64-row alignment's last block of an expert with <= 64 valid rows
-    # runs in a second launch of 64-row tiles (one program per expert and N tile) instead of a
-    # 128-row tile that is more than half padding; the main launch leaves those blocks out.
-    tails = not direct and cfg.half_tails and cfg.block_m == 128
-    if tails:
-        bufs += (al.expert_ends,)
-    main_tails = dict(expert_ends_ptr=al.expert_ends, SKIP_HALF=True) if tails else {}
-    tail_only = dict(common, BLOCK_M=cfg.block_m // 2, expert_ends_ptr=
-                     al.expert_ends if tails else None, TAIL=True, SKIP_HALF=False)
-
-    def gate_up(name, grid, extra):
-        fk = launch_key(key and (key, name), x, xs, *bufs)
-        kernel_for(quant_gate_up_kernel, dev, fk)[(grid,)](
-            x, w13_k, w13_scale, b13, topk_weights, act, al.sorted_slots, al.block_expert,
-            al.num_rows, n_slots, H, I, K, n_blocks, bn, float(alpha), float(limit),
-            x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-            w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
-            b13.stride(0), b13.stride(1), topk_weights.stride(0), topk_weights.stride(1),
-            act.stride(0), act_scale, act_scale.stride(0), *rows_args.values(), xs, xs.stride(0),
-            ACTIVATION=ACTIVATIONS.index(activation), INTERLEAVED=bool(gate_up_interleaved),
-            HAS_BIAS=w13_bias is not None, WEIGHTS_ON_INPUT=bool(weights_on_input),
-            BLOCK_N=cfg.block_n1, A_PREQUANT=prequant, SCALAR_SCALE=scalar13, ACT_F32=act_f32,
-            EVEN_K=H % cfg.block_k == 0,
-            STACK_GU=bool(common["SWAP_AB"] and cfg.mxfp4_stacked_gate_up), MMA_LAYOUT=mma,
-            ONE_FACTOR=one_factor, **fold, **extra,
-        )
-
-    gate_up("gate_up", n_blocks * cdiv(I, cfg.block_n1), dict(common, **main_tails))
-    if tails:
-        gate_up("gate_up_tails", E * cdiv(I, cfg.block_n1), tail_only)
-    if counters is not None:
-        fold = dict(counters_ptr=counters, out_ptr=out, stride_oh=out.stride(1), COMBINE_K=K,
-                    FENCE=not emulate)
-
-    def down(name, grid, extra):
-        fk = launch_key(key and (key, name), *bufs)
-        kernel_for(quant_down_kernel, dev, fk)[(grid,)](
-            act, w2_k, w2_scale, b2, topk_weights, y, al.sorted_slots, al.block_expert, al.num_rows,
-            n_slots, H, I, K, n_blocks, bn,
-            act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
-            w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
-            b2.stride(0), b2.stride(1), topk_weights.stride(0), topk_weights.stride(1), y.stride(0),
-            act_scale, act_scale.stride(0), *rows_args.values(),
-            HAS_BIAS=w2_bias is not None, HAS_WEIGHTS=not weights_on_input,
-            BLOCK_N=cfg.block_n2, SCALAR_SCALE=scalar2, QUANT_GATHER=act_f32,
-            EVEN_K=I % cfg.block_k == 0, MMA_LAYOUT=mma, ONE_FACTOR=one_factor,
-            **fold, **extra,
-        )
-
-    down("down", n_blocks * cdiv(H, cfg.block_n2), dict(common, **main_tails))
-    if tails:
-        down("down_tails", E * cdiv(H, cfg.block_n2), tail_only)
-    if counters is not None:
-        return out
+    fk = launch_key(key and (key, "gate_up"), x, xs, *bufs)
+    kernel_for(quant_gate_up_kernel, dev, fk)[(n_blocks * cdiv(I, cfg.block_n1),)](
+        x, w13_k, w13_scale, b13, topk_weights, act, al.sorted_slots, al.block_expert,
+        al.num_rows, n_slots, H, I, K, n_blocks, bn, float(alpha), float(limit),
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2),
+        b13.stride(0), b13.stride(1), topk_weights.stride(0), topk_weights.stride(1),
+        act.stride(0), act_scale, act_scale.stride(0), *rows_args.values(), xs, xs.stride(0),
+        ACTIVATION=ACTIVATIONS.index(activation), INTERLEAVED=bool(gate_up_interleaved),
+        HAS_BIAS=w13_bias is not None, WEIGHTS_ON_INPUT=bool(weights_on_input),
+        BLOCK_N=cfg.block_n1, A_PREQUANT=prequant, SCALAR_SCALE=scalar13, ACT_F32=act_f32,
+        EVEN_K=H % cfg.block_k == 0,
+        STACK_GU=bool(common["SWAP_AB"] and cfg.mxfp4_stacked_gate_up), MMA_LAYOUT=mma,
+        ONE_FACTOR=one_factor, **common,
+    )
+    fk = launch_key(key and (key, "down"), *bufs)
+    kernel_for(quant_down_kernel, dev, fk)[(n_blocks * cdiv(H, cfg.block_n2),)](
+        act, w2_k, w2_scale, b2, topk_weights, y, al.sorted_slots, al.block_expert, al.num_rows,
+        n_slots, H, I, K, n_blocks, bn,
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
+        w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
+        b2.stride(0), b2.stride(1), topk_weights.stride(0), topk_weights.stride(1), y.stride(0),
+        act_scale, act_scale.stride(0), *rows_args.values(),
+        HAS_BIAS=w2_bias is not None, HAS_WEIGHTS=not weights_on_input,
+        BLOCK_N=cfg.block_n2, SCALAR_SCALE=scalar2, QUANT_GATHER=act_f32,
+        EVEN_K=I % cfg.block_k == 0, MMA_LAYOUT=mma, ONE_FACTOR=one_factor,
+        **common,
+    )
     if inter != out.dtype:
         out32 = torch.empty(T, H, dtype=inter, device=dev)
         combine_triton(y, topk_ids, out32, E, pdl=bool(pdl))

@@ -174,14 +174,6 @@ class QuantDispatchConfig:
     # each decoded pair by one packed multiplication (2^(s - 1)) instead of two; the same values.
     # Off until measured on a GPU
     mxfp4_one_factor: bool = False
-    # T == 1 (direct rows): the last down program of each H tile sums the token's K rows in
-    # slot order (expert_gemm.combine_last, the bf16 path's fold): no combine launch, the same
-    # bits as combine_kernel. Off until measured on a GPU (docs/design.md)
-    combine_in_down: bool = False
-    # 128-row blocks: an expert's last block with <= 64 valid rows runs as a 64-row tile in a
-    # second launch of each GEMM (quant_gemm.program_rows: TAIL), not as a 128-row tile that is
-    # more than half padding
-    half_tails: bool = False
 
 
 CONFIG_CLASSES = (DispatchConfig, RowGemmConfig, WeightGradConfig, ActivationGradConfig,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import env_without_interpreter, expert_counts_skewed, needs_interpreter
+from conftest import env_without_interpreter
 from moe_ops.tools import bench
 
 ROOT = Path(__file__).parents[1]

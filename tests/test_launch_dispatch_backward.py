@@ -75,7 +75,6 @@ def test_persistent_weight_grads_match_per_tile(interpreter, routing, kernel):
     gradients (several tiles per expert, several experts per program, an empty expert where the
     routing leaves one): bitwise the per-tile kernel's sums (same rows, same order, same tile),
     and near float64. (The warp-specialised launcher's fallbacks: the next test.)"""
-    import dataclasses
 
     import moe_ops.launch.dispatch_backward as db
     from moe_ops.tuning.heuristics import backward_config, dispatch_config
@@ -116,7 +115,6 @@ def test_persistent_weight_grads_lpt_order(interpreter, routing, monkeypatch):
     index (empty experts last); else the experts' own order; in every program's row of the
     scratch. The gradients are bitwise those of the fixed schedule (each tile is still summed
     whole, in row order, by one program)."""
-    import dataclasses
 
     import moe_ops.launch.dispatch_backward as db
     from moe_ops.tuning.heuristics import backward_config, dispatch_config
@@ -164,7 +162,6 @@ def test_persistent_weight_grads_many_experts(interpreter, monkeypatch):
     kernel's on NaN-poisoned scratch, most experts empty. (The per-tile kernel runs on the
     experts hit alone, renumbered in order: each expert's rows, their order and their place in
     a tile are the same, so are its sums; interpreting 1100 per-tile programs took ~45 s.)"""
-    import dataclasses
 
     import moe_ops.launch.dispatch_backward as db
     from moe_ops.tuning.heuristics import backward_config, dispatch_config
@@ -207,7 +204,6 @@ def test_persistent_weight_grads_many_experts(interpreter, monkeypatch):
 def test_persistent_weight_grads_bad_config(interpreter, field, value):
     """A persistent weight-gradient config the kernel cannot run is a ValueError naming the
     field, not a compile error or a silently wrong store."""
-    import dataclasses
 
     import moe_ops.launch.dispatch_backward as db
     from moe_ops.tuning.heuristics import backward_config, dispatch_config
@@ -229,7 +225,6 @@ def test_weight_grads_stop_after_the_valid_rows(interpreter, persistent, dtype):
     past its valid rows; the padding rows after that step are never read. Here they are NaN
     (the rows before, up to the step's end, are zero as in the backward), so a sum over every
     padded row shows. Expert counts 5 (one 16-row step of its 32), 21 (two), 40 and 0."""
-    import dataclasses
 
     from moe_ops.launch.alignment import align_triton
     from moe_ops.launch._common import dot_precision as _dot_precision
@@ -277,7 +272,6 @@ def test_persistent_weight_grads_lpt_deal(interpreter, routing, monkeypatch):
     p + r*NUM_PROGRAMS. Recorded from every tile store of both weight-gradient launches
     (interpreter: the kernel's store helper is looked up at call time); each tile is stored
     once, by the program the deal gives it."""
-    import dataclasses
 
     import moe_ops.kernels.expert_gemm_backward as kb
     import moe_ops.launch.dispatch_backward as db

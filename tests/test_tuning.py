@@ -1,6 +1,5 @@
 """Dispatch configuration: heuristic, tuned tables (format pinned), nearest-T lookup, tune CLI."""
 import json
-import warnings
 
 import pytest
 import torch

@@ -89,77 +89,6 @@ def _consume(a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, M, N
 
 
 @gluon.jit
-def _issue(a_bufs, b_bufs, ready, i, part, WG: gl.constexpr):
-    """Wait for K step i's stage and start its wgmma into `part` (a fresh product)."""
-    S: gl.constexpr = a_bufs.type.shape[0]
-    BMM: gl.constexpr = a_bufs.type.shape[1] // 2
-    s = i % S
-    mbarrier.wait(ready.index(s), (i // S) & 1)
-    a_s = a_bufs.index(s).slice(WG * BMM, BMM)
-    return warpgroup_mma(a_s, b_bufs.index(s).permute((1, 0)), part, use_acc=False,
-                         is_async=True)
-
-
-@gluon.jit
-def _step_scale(a_scale_ptr, b_scale_ptr, i, M, n_k, offs_m, m_mask, off_n, BNN: gl.constexpr):
-    """Row scale x block scale of K step i, per row of this consumer's tile."""
-    sa = gl.load(a_scale_ptr + i * M + offs_m, mask=m_mask, other=0.0)
-    sb = gl.load(b_scale_ptr + (off_n // BNN) * n_k + i)
-    return sa * sb
-
-
-@gluon.jit
-def _retire(part, acc, scale, empty, i, N_OUT: gl.constexpr):
-    """Wait until at most N_OUT wgmma groups are outstanding (the product of step i is done),
-    release step i's stage and promote the product into acc: (acc, the product's registers
-    for the next wgmma)."""
-    S: gl.constexpr = empty.type.shape[0]
-    part = warpgroup_mma_wait(N_OUT, deps=[part])
-    mbarrier.arrive(empty.index(i % S), count=1)
-    return acc + part * scale[:, None], part
-
-
-@gluon.jit
-def _consume_pipelined(a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, M, N, K,
-                       off_m, off_n, stride_cm, WG: gl.constexpr):
-    """_consume with two products in flight: step i + 1's wgmma is started before step i's
-    product is waited for and promoted, so this warpgroup's promotion overlaps its own next
-    products (three [64, BN] float32 register tiles: the sum and two products). The same
-    float32 operations in the same order as _consume (bit-equal). Needs an even number of K
-    steps (checked by fp8_gemm)."""
-    BMM: gl.constexpr = a_bufs.type.shape[1] // 2
-    BKK: gl.constexpr = a_bufs.type.shape[2]
-    BNN: gl.constexpr = b_bufs.type.shape[1]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BNN, 32])
-    offs_m = off_m + WG * BMM + gl.arange(0, BMM, layout=gl.SliceLayout(1, acc_layout))
-    m_mask = offs_m < M
-    acc = gl.zeros([BMM, BNN], gl.float32, acc_layout)
-    pa = gl.zeros([BMM, BNN], gl.float32, acc_layout)
-    pb = gl.zeros([BMM, BNN], gl.float32, acc_layout)
-    n_k = gl.cdiv(K, BKK)
-    pa = _issue(a_bufs, b_bufs, ready, 0, pa, WG)
-    for j in range(n_k // 2 - 1):    # steps 2j+1 and 2j+2 started; 2j and 2j+1 retired
-        i = 2 * j + 1
-        # pa: step i - 1's wgmma in flight; pb: free registers
-        pb_run = _issue(a_bufs, b_bufs, ready, i, pb, WG)
-        sc = _step_scale(a_scale_ptr, b_scale_ptr, i - 1, M, n_k, offs_m, m_mask, off_n, BNN)
-        acc, pa_done = _retire(pa, acc, sc, empty, i - 1, 1)
-        pa = _issue(a_bufs, b_bufs, ready, i + 1, pa_done, WG)
-        sc = _step_scale(a_scale_ptr, b_scale_ptr, i, M, n_k, offs_m, m_mask, off_n, BNN)
-        acc, pb = _retire(pb_run, acc, sc, empty, i, 1)
-    i = n_k - 1
-    pb_run = _issue(a_bufs, b_bufs, ready, i, pb, WG)
-    sc = _step_scale(a_scale_ptr, b_scale_ptr, i - 1, M, n_k, offs_m, m_mask, off_n, BNN)
-    acc, pa_done = _retire(pa, acc, sc, empty, i - 1, 1)
-    sc = _step_scale(a_scale_ptr, b_scale_ptr, i, M, n_k, offs_m, m_mask, off_n, BNN)
-    acc, pb = _retire(pb_run, acc, sc, empty, i, 0)
-    offs_n = off_n + gl.arange(0, BNN, layout=gl.SliceLayout(0, acc_layout))
-    ptrs = c_ptr + offs_m[:, None].to(gl.int64) * stride_cm + offs_n[None, :]
-    gl.store(ptrs, acc.to(gl.bfloat16), mask=m_mask[:, None] & (offs_n[None, :] < N))
-
-
-@gluon.jit
 def _consumer0(a_desc, b_desc, a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, M,
                N, K, off_m, off_n, stride_cm):
     _consume(a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, M, N, K, off_m,
@@ -174,26 +103,10 @@ def _consumer1(a_desc, b_desc, a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scal
 
 
 @gluon.jit
-def _pipelined0(a_desc, b_desc, a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, M,
-                N, K, off_m, off_n, stride_cm):
-    _consume_pipelined(a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, M, N, K,
-                       off_m, off_n, stride_cm, 0)
-
-
-@gluon.jit
-def _pipelined1(a_desc, b_desc, a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, M,
-                N, K, off_m, off_n, stride_cm):
-    _consume_pipelined(a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, M, N, K,
-                       off_m, off_n, stride_cm, 1)
-
-
-@gluon.jit
 def fp8_block_gemm_ws(a_desc, b_desc, a_scale_ptr, b_scale_ptr, c_ptr, M, N, K, stride_cm,
-                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                      PIPELINED: gl.constexpr = False):
+                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Default partition: consumer warpgroup 0 (num_warps = 4); workers: consumer warpgroup 1
-    (4 warps) and the TMA loader (1 warp). A stage is free once both consumers released it.
-    PIPELINED: the consumers keep two products in flight (_consume_pipelined)."""
+    (4 warps) and the TMA loader (1 warp). A stage is free once both consumers released it."""
     BMM: gl.constexpr = a_desc.block_type.shape[0]
     BKK: gl.constexpr = a_desc.block_type.shape[1]
     BNN: gl.constexpr = b_desc.block_type.shape[0]
@@ -207,19 +120,12 @@ def fp8_block_gemm_ws(a_desc, b_desc, a_scale_ptr, b_scale_ptr, c_ptr, M, N, K, 
     off_m, off_n = grouped_tile(M, N, BMM, BNN, GROUP_M)
     args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, c_ptr, M, N,
             K, off_m, off_n, stride_cm)
-    if PIPELINED:
-        gl.warp_specialize([(_pipelined0, args), (_pipelined1, args), (_loader, args)], [4, 1],
-                           [CONSUMER_REGS, 24])
-    else:
-        gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 1],
-                           [CONSUMER_REGS, 24])
+    gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 1],
+                       [CONSUMER_REGS, 24])
 
 
-def fp8_gemm(aq, a_scale_t, bq, b_scale, out, stages=4, group_m=8, consumer_regs=232,
-             pipelined=False):
+def fp8_gemm(aq, a_scale_t, bq, b_scale, out, stages=4, group_m=8, consumer_regs=232):
     M, K = aq.shape
-    if pipelined and (K % (2 * BK) or K < 2 * BK):
-        raise ValueError(f"pipelined consumers need K a multiple of {2 * BK}, got K={K}")
     N = bq.shape[0]
     la = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
     lb = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.float8e4nv)
@@ -227,7 +133,7 @@ def fp8_gemm(aq, a_scale_t, bq, b_scale, out, stages=4, group_m=8, consumer_regs
     b_desc = TensorDescriptor.from_tensor(bq, [BN, BK], lb)
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
     fp8_block_gemm_ws[grid](a_desc, b_desc, a_scale_t, b_scale, out, M, N, K, out.stride(0),
-                            stages, group_m, consumer_regs, pipelined, num_warps=4)
+                            stages, group_m, consumer_regs, num_warps=4)
     return out
 
 
@@ -238,11 +144,9 @@ def compile_only() -> int:
            "b_desc": f"tensordesc<fp8e4nv[{BN}, {BK}],{lb}>", "a_scale_ptr": "*fp32",
            "b_scale_ptr": "*fp32", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
            "stride_cm": "i32", "STAGES": "constexpr", "GROUP_M": "constexpr",
-           "CONSUMER_REGS": "constexpr", "PIPELINED": "constexpr"}
+           "CONSUMER_REGS": "constexpr"}
     return compile_variants(fp8_block_gemm_ws, sig, [
-        (f"stages {st}{', pipelined' if pipe else ''}",
-         {"STAGES": st, "GROUP_M": 8, "CONSUMER_REGS": 232, "PIPELINED": pipe})
-        for pipe in (False, True) for st in (3, 4)])
+        (f"stages {st}", {"STAGES": st, "GROUP_M": 8, "CONSUMER_REGS": 232}) for st in (3, 4)])
 
 
 def quantize_blocks(x, rows_per_block):

@@ -24,6 +24,8 @@ dx: the forward's down_kernel shape of work (dz @ W13_e per row, per slot) then 
 import triton
 import triton.language as tl
 
+from moe_ops.kernels.expert_gemm import tanh_f32
+
 
 @triton.jit
 def swiglu_grad_kernel(
@@ -362,8 +364,8 @@ def activate_grad(g, u, ACT: tl.constexpr, alpha, limit):
         dadg = tl.where(f <= limit, uc * sig * (1.0 + g * (1.0 - sig)), 0.0)
         dadu = tl.where((u >= -limit) & (u <= limit), fc, 0.0)
     elif ACT == 7:
-        tg = 2.0 / (1.0 + tl.exp(-2.0 * g / alpha)) - 1.0
-        tu = 2.0 / (1.0 + tl.exp(-2.0 * u / limit)) - 1.0
+        tg = tanh_f32(g / alpha)
+        tu = tanh_f32(u / limit)
         sig = 1.0 / (1.0 + tl.exp(-g))
         gf = alpha * tg * sig
         uc = limit * tu

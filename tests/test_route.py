@@ -351,6 +351,8 @@ def test_opcheck_interpreter(interpreter):
      "bias must be a float tensor"),
     (lambda: torch.ops.moe.route(torch.randn(4, 8), 2, num_groups=3), ValueError, "num_groups must"),
     (lambda: torch.ops.moe.route(torch.randn(4, 8), 2, num_groups=4, topk_groups=5), ValueError, "topk_groups must"),
+    (lambda: torch.ops.moe.route(torch.randn(4, 8), 3, num_groups=4, topk_groups=1), ValueError,
+     r"top_k=3 exceeds the experts in the topk_groups=1 allowed groups \(2\)"),
     (lambda: torch.ops.moe.route(torch.randn(4, 8), 5, num_groups=4, topk_groups=2), ValueError, "exceeds"),
     (lambda: torch.ops.moe.route(torch.randn(4, 8), 2, scale=float("nan")), ValueError, "scale must be finite"),
     (lambda: torch.ops.moe.route(torch.randn(4, 8), 2, scale=float("inf")), ValueError, "scale must be finite"),
